@@ -1,0 +1,1 @@
+"""meshplan executor: runs a plan JSON with torch.distributed (`torchrun ... -m executor PLAN.json`)."""

@@ -1,0 +1,179 @@
+"""The `plan` command line (DESIGN.md §2). Every user error is one line on stderr and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from planner.errors import InputError, MeshplanError
+from planner.plan import DTYPES, RECOMPUTE, SCHEDULES
+
+SUBCOMMANDS = ("profile", "show", "export", "calibrate")
+
+MAIN_EPILOG = """\
+subcommands:
+  plan profile MODEL --cluster CLUSTER [-o profile.json] [--force]
+                           measure per-layer compute and memory and the links between devices
+  plan show PLAN.json [--timeline out.png]
+                           human summary of a plan and its pipeline timeline
+  plan export PLAN.json --format megatron|torchtitan|deepspeed
+                           the plan as arguments/config of another training engine
+  plan calibrate METRICS.jsonl... --profile P.json
+                           fold measured step times back into a profile
+  Run `plan SUBCOMMAND --help` for each one's options.
+
+MODEL:   a built-in name (gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama2-7b, llama2-13b, llama2-70b,
+         llama3-8b, llama3-70b, gpt3-175b, gpt-20m, tiny), a Hugging Face config.json path
+         (gpt2, llama, mistral, qwen2), or package.module:factory returning an nn.Module.
+CLUSTER: GxTYPE or NxGxTYPE with TYPE one of a100-40gb, a100-80gb, h100-80gb, h200-141gb, cpu;
+         Nxcpu (N processes on this host); local (this machine as it is); or a YAML/JSON cluster file
+         (`base: 2x8xh100-80gb` plus any field to override).
+
+exit codes: 0 plan found, 2 bad input (the message names the field), 3 no plan fits in memory.
+
+examples:
+  plan llama3-8b --cluster 8xa100-80gb
+  plan llama3-70b --cluster 8x8xh100-80gb --global-batch-size 512 --seq-len 8192 -o plan.json
+  plan tiny --cluster 4xcpu --tp 2 --json
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad argument as one line (no usage dump) through InputError."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise InputError(message)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'")
+    return value
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got '{text}'") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got '{text}'")
+    return value
+
+
+def main_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="plan",
+        description="Choose data, tensor and pipeline parallelism, ZeRO level, micro-batching, pipeline "
+                    "schedule, stage partition and recomputation for training MODEL on CLUSTER.",
+        epilog=MAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL", help="built-in name, config.json path or package.module:factory")
+    p.add_argument("--cluster", required=True, metavar="CLUSTER",
+                   help="e.g. 8xa100-80gb, 16x8xh100-80gb, 4xcpu, local, cluster.yaml")
+    g = p.add_argument_group("workload")
+    g.add_argument("--global-batch-size", type=positive_int, metavar="N",
+                   help="sequences per optimizer step (default: 2 x world size, at least 8)")
+    g.add_argument("--seq-len", type=positive_int, metavar="S",
+                   help="tokens per sequence (default: the model's maximum)")
+    g.add_argument("--dtype", choices=DTYPES, default="bf16", help="training precision (default: bf16)")
+    c = p.add_argument_group("constraints (each pins one dimension; the planner chooses the rest)")
+    c.add_argument("--micro-batch-size", type=positive_int, metavar="B")
+    c.add_argument("--dp", type=positive_int, help="data-parallel degree")
+    c.add_argument("--tp", type=positive_int, help="tensor-parallel degree (divides heads, stays in a node)")
+    c.add_argument("--pp", type=positive_int, help="pipeline-parallel degree")
+    c.add_argument("--virtual-stages", type=positive_int, metavar="V", help="pipeline stages per rank (interleaved)")
+    c.add_argument("--schedule", choices=SCHEDULES)
+    c.add_argument("--recompute", choices=RECOMPUTE, help="activation recomputation")
+    c.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO / FSDP level for data parallelism")
+    c.add_argument("--memory-margin", type=fraction, default=0.1, metavar="F",
+                   help="fraction of device memory kept free for fragmentation and workspace (default: 0.1)")
+    o = p.add_argument_group("inputs and outputs")
+    o.add_argument("--profile", metavar="PROFILE.json", help="use this profile instead of measuring or presets")
+    o.add_argument("--top-k", type=positive_int, default=3, metavar="K", help="runner-up plans to keep (default: 3)")
+    o.add_argument("--json", action="store_true", help="print the plan JSON to stdout")
+    o.add_argument("-o", "--output", metavar="PATH", help="write the plan JSON to PATH")
+    return p
+
+
+def run_main(argv: Sequence[str]) -> int:
+    from planner.cluster_spec import parse_cluster
+    from planner.constraints import Constraints
+    from planner.model_sources import resolve_model
+    from planner.plan import save_plan
+    from planner.search import find_plan
+
+    args = main_parser().parse_args(argv)
+    model = resolve_model(args.model)
+    cluster = parse_cluster(args.cluster)
+    constraints = Constraints(
+        global_batch_size=args.global_batch_size or max(8, 2 * cluster.world_size), seq_len=args.seq_len,
+        micro_batch_size=args.micro_batch_size, dp=args.dp, tp=args.tp, pp=args.pp,
+        virtual_stages=args.virtual_stages, schedule=args.schedule, recompute=args.recompute, zero=args.zero,
+        dtype=args.dtype, memory_margin=args.memory_margin, top_k=args.top_k,
+    )
+    constraints.validate(model, cluster)
+    profile = None
+    if args.profile:
+        from profiler.profile import load_profile
+
+        profile = load_profile(args.profile, model=model)
+    plan = find_plan(model, cluster, constraints, profile)
+    if args.output:
+        save_plan(plan, args.output)
+    if args.json:
+        print(plan.to_json())
+    else:
+        from planner.report import print_plan
+
+        print_plan(plan)
+        if args.output:
+            print(f"plan written to {args.output}")
+    return 0
+
+
+def _not_yet(name: str) -> Callable[[Sequence[str]], int]:
+    def run(argv: Sequence[str]) -> int:
+        raise InputError(f"'plan {name}' is not implemented yet in this version of meshplan")
+
+    return run
+
+
+def _subcommand(name: str) -> Callable[[Sequence[str]], int]:
+    """Each subcommand lives with its part: profile in profiler/, show/export/calibrate in planner/."""
+    import importlib
+
+    targets = {"profile": "profiler.cli", "show": "planner.show", "export": "planner.export",
+               "calibrate": "planner.calibrate"}
+    try:
+        module = importlib.import_module(targets[name])
+    except ModuleNotFoundError as exc:
+        if exc.name != targets[name]:
+            raise
+        return _not_yet(name)
+    return module.main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] in SUBCOMMANDS:
+            code = _subcommand(argv[0])(argv[1:])
+        else:
+            code = run_main(argv)
+    except MeshplanError as exc:
+        print(f"plan: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("plan: interrupted", file=sys.stderr)
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

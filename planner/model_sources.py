@@ -1,0 +1,220 @@
+"""Where a ModelSpec comes from: a built-in name, a Hugging Face config.json, or `module:factory`."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import json
+import os
+from typing import Any
+
+from planner.errors import InputError
+from planner.model_spec import LayerSpec, ModelSpec
+
+_GPT2 = dict(arch="gpt2", norm="layernorm", mlp="gelu", position="learned", linear_bias=True,
+             tied_embeddings=True, vocab_size=50257, norm_eps=1e-5)
+_LLAMA = dict(arch="llama", norm="rmsnorm", mlp="swiglu", position="rope")
+
+# Sources: GPT-2 (Radford et al. 2019, HF `gpt2*` configs), GPT-3 (Brown et al. 2020, Table 2.1),
+# Llama 2 (Touvron et al. 2023, HF `meta-llama/Llama-2-*-hf` configs), Llama 3 (HF `Meta-Llama-3-*`).
+BUILTIN_MODELS: dict[str, dict[str, Any]] = {
+    "gpt2": dict(_GPT2, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12,
+                 ffn_hidden_size=3072, max_seq_len=1024),
+    "gpt2-medium": dict(_GPT2, hidden_size=1024, num_layers=24, num_heads=16, num_kv_heads=16,
+                        ffn_hidden_size=4096, max_seq_len=1024),
+    "gpt2-large": dict(_GPT2, hidden_size=1280, num_layers=36, num_heads=20, num_kv_heads=20,
+                       ffn_hidden_size=5120, max_seq_len=1024),
+    "gpt2-xl": dict(_GPT2, hidden_size=1600, num_layers=48, num_heads=25, num_kv_heads=25,
+                    ffn_hidden_size=6400, max_seq_len=1024),
+    "gpt3-175b": dict(_GPT2, hidden_size=12288, num_layers=96, num_heads=96, num_kv_heads=96,
+                      ffn_hidden_size=49152, max_seq_len=2048),
+    "llama2-7b": dict(_LLAMA, vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+                      num_kv_heads=32, ffn_hidden_size=11008, max_seq_len=4096, norm_eps=1e-5),
+    "llama2-13b": dict(_LLAMA, vocab_size=32000, hidden_size=5120, num_layers=40, num_heads=40,
+                       num_kv_heads=40, ffn_hidden_size=13824, max_seq_len=4096, norm_eps=1e-5),
+    "llama2-70b": dict(_LLAMA, vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64,
+                       num_kv_heads=8, ffn_hidden_size=28672, max_seq_len=4096, norm_eps=1e-5),
+    "llama3-8b": dict(_LLAMA, vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
+                      num_kv_heads=8, ffn_hidden_size=14336, max_seq_len=8192, rope_theta=500000.0),
+    "llama3-70b": dict(_LLAMA, vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64,
+                       num_kv_heads=8, ffn_hidden_size=28672, max_seq_len=8192, rope_theta=500000.0),
+    # Test models, small enough to train on a few CPU processes.
+    "tiny": dict(_LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                 ffn_hidden_size=128, max_seq_len=64),
+    "gpt-20m": dict(_GPT2, vocab_size=16384, hidden_size=384, num_layers=8, num_heads=6,
+                    num_kv_heads=6, ffn_hidden_size=1536, max_seq_len=256),
+}
+
+
+def builtin_model(name: str) -> ModelSpec:
+    if name not in BUILTIN_MODELS:
+        close = difflib.get_close_matches(name, BUILTIN_MODELS, n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(BUILTIN_MODELS)}"
+        raise InputError(f"MODEL: unknown model '{name}'{hint}")
+    return ModelSpec(name=name, **BUILTIN_MODELS[name])
+
+
+def _cfg_int(cfg: dict, path: str, *keys: str, default: Any = None) -> int:
+    for key in keys:
+        if key in cfg and cfg[key] is not None:
+            value = cfg[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InputError(f"{path}: field '{key}': expected a positive integer, got {value!r}")
+            return value
+    if default is None:
+        raise InputError(f"{path}: missing field '{keys[0]}'")
+    return default
+
+
+def from_hf_config(path: str) -> ModelSpec:
+    """Read a Hugging Face config.json (gpt2, llama, mistral, qwen2) as plain JSON: no download."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            cfg = json.load(fh)
+    except OSError as exc:
+        raise InputError(f"MODEL: cannot read '{path}': {exc.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"MODEL: '{path}' is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise InputError(f"{path}: expected a JSON object")
+    model_type = cfg.get("model_type")
+    name = os.path.basename(os.path.dirname(os.path.abspath(path))) or "hf-model"
+    if model_type == "gpt2":
+        h = _cfg_int(cfg, path, "n_embd")
+        return ModelSpec(
+            name=name, arch="gpt2", norm="layernorm", mlp="gelu", position="learned", linear_bias=True,
+            vocab_size=_cfg_int(cfg, path, "vocab_size"), hidden_size=h,
+            num_layers=_cfg_int(cfg, path, "n_layer"), num_heads=_cfg_int(cfg, path, "n_head"),
+            num_kv_heads=_cfg_int(cfg, path, "n_head"), ffn_hidden_size=_cfg_int(cfg, path, "n_inner", default=4 * h),
+            max_seq_len=_cfg_int(cfg, path, "n_positions", "n_ctx"),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        )
+    if model_type in ("llama", "mistral", "qwen2"):
+        heads = _cfg_int(cfg, path, "num_attention_heads")
+        h = _cfg_int(cfg, path, "hidden_size")
+        return ModelSpec(
+            name=name, arch="llama", vocab_size=_cfg_int(cfg, path, "vocab_size"), hidden_size=h,
+            num_layers=_cfg_int(cfg, path, "num_hidden_layers"), num_heads=heads,
+            num_kv_heads=_cfg_int(cfg, path, "num_key_value_heads", default=heads),
+            head_dim=_cfg_int(cfg, path, "head_dim", default=h // heads),
+            ffn_hidden_size=_cfg_int(cfg, path, "intermediate_size"),
+            max_seq_len=_cfg_int(cfg, path, "max_position_embeddings", default=2048),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        )
+    raise InputError(
+        f"{path}: field 'model_type': expected one of gpt2, llama, mistral, qwen2, got {model_type!r}"
+    )
+
+
+def load_factory(ref: str):
+    """Import `package.module:factory` and return the callable."""
+    module_name, _, attr = ref.partition(":")
+    if not module_name or not attr:
+        raise InputError(f"MODEL: expected 'package.module:factory', got '{ref}'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise InputError(f"MODEL: cannot import module '{module_name}': {exc}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise InputError(f"MODEL: '{module_name}' has no callable '{attr}'")
+    return factory
+
+
+def _find_blocks(module) -> tuple[str, list]:
+    """The longest list of same-class child modules holding parameters: the repeated blocks."""
+    from torch import nn
+
+    best: tuple[int, str, list] = (0, "", [])
+    for name, child in module.named_modules():
+        if not isinstance(child, (nn.ModuleList, nn.Sequential)) or len(child) < 2:
+            continue
+        items = list(child)
+        if len({type(m) for m in items}) != 1 or not any(True for _ in items[0].parameters()):
+            continue
+        size = sum(p.numel() for m in items for p in m.parameters())
+        if size > best[0]:
+            best = (size, name, items)
+    if not best[2]:
+        raise InputError(
+            "MODEL: found no list of repeated blocks (an nn.ModuleList or nn.Sequential of two or more "
+            "modules of one class) in the factory's module"
+        )
+    return best[1], best[2]
+
+
+def _first_attr(modules, names: tuple[str, ...]) -> int | None:
+    for m in modules:
+        for n in names:
+            value = getattr(m, n, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def from_factory(ref: str) -> ModelSpec:
+    """Inspect the nn.Module a factory returns (built on the meta device: no memory is used)."""
+    import torch
+    from torch import nn
+
+    factory = load_factory(ref)
+    try:
+        with torch.device("meta"):
+            module = factory()
+    except Exception as exc:  # the user's code: report, do not trace back
+        raise InputError(f"MODEL: factory '{ref}' failed: {type(exc).__name__}: {exc}") from None
+    if not isinstance(module, nn.Module):
+        raise InputError(f"MODEL: factory '{ref}' returned {type(module).__name__}, expected an nn.Module")
+    block_path, blocks = _find_blocks(module)
+    block_ids = {id(p) for b in blocks for p in b.parameters()}
+    before, after, seen_block = 0, 0, False
+    for _, p in module.named_parameters():
+        if id(p) in block_ids:
+            seen_block = True
+        elif seen_block:
+            after += p.numel()
+        else:
+            before += p.numel()
+    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+    tied = 0
+    emb_weights = {id(e.weight) for e in embeddings}
+    for m in module.modules():
+        if isinstance(m, nn.Linear) and id(m.weight) in emb_weights:
+            tied = m.weight.numel()
+    hidden = embeddings[0].embedding_dim if embeddings else _first_attr(blocks, ("hidden_size", "n_embd", "dim"))
+    if hidden is None:
+        linears = [m for m in blocks[0].modules() if isinstance(m, nn.Linear)]
+        hidden = linears[0].in_features if linears else 1
+    block_modules = list(blocks[0].modules())
+    heads = _first_attr(block_modules, ("num_heads", "n_head", "n_heads", "num_attention_heads", "nhead")) or 1
+    kv_heads = _first_attr(block_modules, ("num_kv_heads", "n_kv_heads", "num_key_value_heads")) or heads
+    max_seq = _first_attr([module], ("max_seq_len", "block_size", "n_positions", "max_position_embeddings"))
+    ffn = max((m.out_features for m in blocks[0].modules() if isinstance(m, nn.Linear)), default=4 * hidden)
+    layers = [LayerSpec("embedding", "embedding", before)]
+    layers += [LayerSpec("block", f"{block_path}.{i}", sum(p.numel() for p in b.parameters()))
+               for i, b in enumerate(blocks)]
+    layers.append(LayerSpec("head", "head", after, tied_params=tied))
+    return ModelSpec(
+        name=ref, arch="custom", factory=ref,
+        vocab_size=embeddings[0].num_embeddings if embeddings else 1, hidden_size=hidden,
+        num_layers=len(blocks), num_heads=heads, num_kv_heads=kv_heads, ffn_hidden_size=ffn,
+        max_seq_len=max_seq or 2048,
+        head_dim=max(hidden // heads, 1), tied_embeddings=tied > 0, layers=tuple(layers),
+    )
+
+
+def resolve_model(text: str) -> ModelSpec:
+    """MODEL as given on the command line (DESIGN.md §2)."""
+    if not text:
+        raise InputError("MODEL: expected a built-in name, a config.json path or package.module:factory")
+    if text.endswith(".json") or os.path.sep in text or os.path.isfile(text):
+        if not os.path.exists(text):
+            raise InputError(f"MODEL: no such file '{text}'")
+        return from_hf_config(text)
+    if ":" in text:
+        return from_factory(text)
+    return builtin_model(text)

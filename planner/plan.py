@@ -1,0 +1,271 @@
+"""Plan JSON, schema_version 1 (DESIGN.md §3): the only thing the executor reads.
+
+`load_plan` validates everything the executor relies on and rejects a bad file with a message that
+names the field; `save_plan` writes atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+
+from planner.cluster_spec import ClusterSpec
+from planner.errors import InputError
+from planner.fields import Fields
+from planner.model_spec import ModelSpec
+
+SCHEMA_VERSION = 1
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+RECOMPUTE = ("none", "selective", "full")
+DTYPES = ("fp32", "bf16", "fp16")
+MESH_DIMS = ["pp", "dp", "tp"]
+
+
+@dataclass
+class ParallelConfig:
+    dp: int
+    tp: int
+    pp: int
+    virtual_stages: int
+    zero: int
+    schedule: str
+    micro_batch_size: int
+    num_micro_batches: int
+    global_batch_size: int
+    seq_len: int
+    recompute: str
+    dtype: str
+    sequence_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str = "plan.parallel") -> ParallelConfig:
+        f = Fields(data, path)
+        cfg = cls(
+            dp=f.int("dp", min=1), tp=f.int("tp", min=1), pp=f.int("pp", min=1),
+            virtual_stages=f.int("virtual_stages", min=1), zero=f.int("zero", min=0),
+            schedule=f.str("schedule", choices=SCHEDULES), micro_batch_size=f.int("micro_batch_size", min=1),
+            num_micro_batches=f.int("num_micro_batches", min=1), global_batch_size=f.int("global_batch_size", min=1),
+            seq_len=f.int("seq_len", min=1), recompute=f.str("recompute", choices=RECOMPUTE),
+            dtype=f.str("dtype", choices=DTYPES), sequence_parallel=f.bool("sequence_parallel", default=False),
+        )
+        if cfg.zero > 3:
+            raise f.fail("zero", "0, 1, 2 or 3", cfg.zero)
+        if cfg.dp * cfg.micro_batch_size * cfg.num_micro_batches != cfg.global_batch_size:
+            raise f.fail("global_batch_size", f"dp x micro_batch_size x num_micro_batches = "
+                         f"{cfg.dp * cfg.micro_batch_size * cfg.num_micro_batches}", cfg.global_batch_size)
+        if cfg.virtual_stages > 1 and cfg.schedule not in ("interleaved-1f1b", "zero-bubble"):
+            raise f.fail("virtual_stages", f"1 with schedule '{cfg.schedule}'", cfg.virtual_stages)
+        if cfg.schedule == "interleaved-1f1b" and cfg.num_micro_batches % cfg.pp:
+            raise f.fail("num_micro_batches", f"a multiple of pp={cfg.pp} for interleaved-1f1b", cfg.num_micro_batches)
+        return cfg
+
+
+@dataclass
+class MeshSpec:
+    dim_names: list[str]
+    shape: list[int]
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str = "plan.mesh") -> MeshSpec:
+        f = Fields(data, path)
+        names = f.list("dim_names")
+        if names != MESH_DIMS:
+            raise f.fail("dim_names", str(MESH_DIMS), names)
+        shape = f.list("shape")
+        if len(shape) != 3 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape):
+            raise f.fail("shape", "three positive integers", shape)
+        return cls(names, shape)
+
+
+@dataclass
+class StagePlan:
+    """One pipeline stage: layers [start, end) of the model, run on pipeline rank `pp_rank`.
+    With v virtual stages, stage k runs on pp rank k % pp (looped placement, as torch.distributed.pipelining
+    expects for interleaved schedules)."""
+
+    stage: int
+    pp_rank: int
+    layers: list[int]
+    recompute_layers: int = 0
+    predicted_time_s: dict[str, float] = field(default_factory=dict)
+    predicted_memory_bytes: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str) -> StagePlan:
+        f = Fields(data, path)
+        layers = f.list("layers")
+        if len(layers) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers) \
+                or not 0 <= layers[0] < layers[1]:
+            raise f.fail("layers", "a half-open range [start, end) with 0 <= start < end", layers)
+        return cls(stage=f.int("stage", min=0), pp_rank=f.int("pp_rank", min=0), layers=layers,
+                   recompute_layers=f.int("recompute_layers", min=0, default=0),
+                   predicted_time_s=f.number_map("predicted_time_s", default={}),
+                   predicted_memory_bytes=f.number_map("predicted_memory_bytes", default={}))
+
+
+@dataclass
+class Predicted:
+    iteration_time_s: float
+    tokens_per_s: float
+    bubble_fraction: float
+    peak_memory_bytes: float
+    mfu: float
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str) -> Predicted:
+        f = Fields(data, path)
+        return cls(**{k: f.float(k, min=0.0) for k in
+                      ("iteration_time_s", "tokens_per_s", "bubble_fraction", "peak_memory_bytes", "mfu")})
+
+
+@dataclass
+class Alternative:
+    parallel: ParallelConfig
+    predicted: Predicted
+    note: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str) -> Alternative:
+        f = Fields(data, path)
+        return cls(ParallelConfig.from_dict(f.obj("parallel").data, f"{path}.parallel"),
+                   Predicted.from_dict(f.obj("predicted").data, f"{path}.predicted"), f.str("note", default=""))
+
+
+@dataclass
+class SearchStats:
+    candidates: int = 0
+    feasible: int = 0
+    seconds: float = 0.0
+    solver: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str) -> SearchStats:
+        f = Fields(data, path)
+        return cls(f.int("candidates", min=0), f.int("feasible", min=0), f.float("seconds", min=0.0),
+                   f.str("solver"))
+
+
+@dataclass
+class Plan:
+    model: ModelSpec
+    cluster: ClusterSpec
+    parallel: ParallelConfig
+    stages: list[StagePlan]
+    predicted: Predicted
+    alternatives: list[Alternative] = field(default_factory=list)
+    search: SearchStats = field(default_factory=SearchStats)
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
+
+    @property
+    def mesh(self) -> MeshSpec:
+        p = self.parallel
+        return MeshSpec(list(MESH_DIMS), [p.pp, p.dp, p.tp])
+
+    def to_dict(self) -> dict:
+        return {
+            "schema_version": self.schema_version,
+            "model": self.model.to_dict(),
+            "cluster": self.cluster.to_dict(),
+            "world_size": self.world_size,
+            "parallel": asdict(self.parallel),
+            "mesh": asdict(self.mesh),
+            "stages": [asdict(s) for s in self.stages],
+            "predicted": asdict(self.predicted),
+            "alternatives": [asdict(a) for a in self.alternatives],
+            "search": asdict(self.search),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str = "plan") -> Plan:
+        f = Fields(data, path)
+        version = f.int("schema_version")
+        if version != SCHEMA_VERSION:
+            raise f.fail("schema_version", f"{SCHEMA_VERSION} (this meshplan's plan format)", version)
+        model = ModelSpec.from_dict(f.obj("model").data, f"{path}.model")
+        cluster = ClusterSpec.from_dict(f.obj("cluster").data, f"{path}.cluster")
+        parallel = ParallelConfig.from_dict(f.obj("parallel").data, f"{path}.parallel")
+        stages = [StagePlan.from_dict(s, f"{path}.stages[{i}]") for i, s in enumerate(f.list("stages"))]
+        plan = cls(model=model, cluster=cluster, parallel=parallel, stages=stages,
+                   predicted=Predicted.from_dict(f.obj("predicted").data, f"{path}.predicted"),
+                   alternatives=[Alternative.from_dict(a, f"{path}.alternatives[{i}]")
+                                 for i, a in enumerate(f.list("alternatives", default=[]))],
+                   search=SearchStats.from_dict(f.obj("search", default={"solver": ""}).data, f"{path}.search"))
+        if f.int("world_size", min=1) != parallel.world_size:
+            raise f.fail("world_size", f"dp x tp x pp = {parallel.world_size}", data["world_size"])
+        if parallel.world_size > cluster.world_size:
+            raise f.fail("world_size", f"at most the cluster's {cluster.world_size} devices", parallel.world_size)
+        mesh = MeshSpec.from_dict(f.obj("mesh").data, f"{path}.mesh")
+        if mesh.shape != plan.mesh.shape:
+            raise InputError(f"{path}.mesh.shape: expected [pp, dp, tp] = {plan.mesh.shape}, got {mesh.shape}")
+        _check_stages(plan, path)
+        return plan
+
+
+def _check_stages(plan: Plan, path: str) -> None:
+    """Stages must tile the model's layers in order, one per (pp rank, virtual stage)."""
+    p = plan.parallel
+    if len(plan.stages) != p.num_stages:
+        raise InputError(f"{path}.stages: expected pp x virtual_stages = {p.num_stages} stages, got {len(plan.stages)}")
+    expected_start = 0
+    for i, stage in enumerate(plan.stages):
+        where = f"{path}.stages[{i}]"
+        if stage.stage != i:
+            raise InputError(f"{where}.stage: expected {i}, got {stage.stage}")
+        if stage.pp_rank != stage_rank(i, p.pp, p.schedule, p.virtual_stages):
+            raise InputError(f"{where}.pp_rank: expected {stage_rank(i, p.pp, p.schedule, p.virtual_stages)}, "
+                             f"got {stage.pp_rank}")
+        if stage.layers[0] != expected_start:
+            raise InputError(f"{where}.layers: expected to start at layer {expected_start}, got {stage.layers[0]}")
+        if stage.recompute_layers > stage.layers[1] - stage.layers[0]:
+            raise InputError(f"{where}.recompute_layers: expected at most the stage's "
+                             f"{stage.layers[1] - stage.layers[0]} layers, got {stage.recompute_layers}")
+        expected_start = stage.layers[1]
+    if expected_start != len(plan.model.layers):
+        raise InputError(f"{path}.stages: expected the last stage to end at layer {len(plan.model.layers)}, "
+                         f"got {expected_start}")
+
+
+def stage_rank(stage: int, pp: int, schedule: str, virtual_stages: int) -> int:
+    """Pipeline rank of a stage: looped (k % pp) for interleaved schedules, V-shaped for zero-bubble
+    with 2 virtual stages (ZBV: ranks 0..pp-1 then pp-1..0), as torch.distributed.pipelining expects."""
+    if schedule == "zero-bubble" and virtual_stages == 2:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def load_plan(path: str) -> Plan:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except OSError as exc:
+        raise InputError(f"PLAN: cannot read '{path}': {exc.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"PLAN: '{path}' is not valid JSON: {exc}") from None
+    return Plan.from_dict(data)
+
+
+def save_plan(plan: Plan, path: str) -> None:
+    """Write atomically: a reader never sees half a plan."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".plan-", suffix=".json")
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(plan.to_json() + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,1 @@
+"""meshplan profiler: measures per-layer compute and memory and the links between devices."""

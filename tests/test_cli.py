@@ -1,0 +1,76 @@
+import subprocess
+import sys
+
+import pytest
+
+from planner.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["lama3-8b", "--cluster", "8xa100-80gb"], "did you mean llama3-8b"),
+    (["llama3-8b", "--cluster", "8xb300"], "unknown device type 'b300'"),
+    (["llama3-8b", "--cluster", "0x8xa100-80gb"], "CLUSTER: the node count must be a positive integer"),
+    (["llama3-8b", "--cluster", "eightxa100"], "CLUSTER"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--tp", "3"], "--tp: 3 must divide"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--tp", "-2"], "argument --tp: expected a positive integer"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--tp", "1.5"], "argument --tp: expected a positive integer"),
+    (["llama2-7b", "--cluster", "2x8xa100-80gb", "--tp", "16"], "--tp: 16 exceeds the 8 devices of a node"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--global-batch-size", "0"], "--global-batch-size"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--global-batch-size", "-8"], "--global-batch-size"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--dp", "2", "--tp", "2", "--pp", "1"], "dp x tp x pp = 4"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--dp", "3"], "--dp: 3 does not divide"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--global-batch-size", "12", "--dp", "8"], "not divisible by --dp"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--global-batch-size", "16", "--micro-batch-size", "3"],
+     "--micro-batch-size"),
+    (["gpt2", "--cluster", "8xa100-80gb", "--seq-len", "2048"], "--seq-len: 2048 exceeds"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--schedule", "fast"], "argument --schedule: invalid choice"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--schedule", "1f1b", "--virtual-stages", "2"],
+     "--virtual-stages"),
+    (["tiny", "--cluster", "4xcpu", "--pp", "4", "--virtual-stages", "2"], "8 pipeline stages"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--memory-margin", "1.5"], "--memory-margin"),
+    (["llama3-8b"], "--cluster"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--bogus"], "unrecognized arguments: --bogus"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--profile", "/nonexistent/profile.json"], "profile"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, argv, field):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("plan: error: "), err
+    assert field in lines[0]
+    assert "Traceback" not in err and out == ""
+
+
+def test_malformed_hf_config(capsys, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "llama", "hidden_size": ')
+    code, _, err = run(capsys, str(path), "--cluster", "8xa100-80gb")
+    assert code == 2 and "not valid JSON" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_cluster_file(capsys, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("base: 8xa100-80gb\ndevice:\n  memory_bytes: -1\n")
+    code, _, err = run(capsys, "gpt2", "--cluster", str(path))
+    assert code == 2 and "device.memory_bytes" in err
+
+
+def test_help_documents_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for word in ("plan profile", "plan show", "plan export", "plan calibrate", "--global-batch-size",
+                 "--virtual-stages", "--recompute", "--zero", "--top-k", "--json", "exit codes"):
+        assert word in out
+
+
+def test_console_script_installed():
+    proc = subprocess.run([sys.executable, "-m", "planner", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "usage: plan" in proc.stdout

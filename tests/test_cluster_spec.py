@@ -1,0 +1,102 @@
+import json
+
+import pytest
+
+from planner.cluster_spec import ClusterSpec, GiB, parse_cluster
+from planner.errors import InputError
+
+
+@pytest.mark.parametrize("text,nodes,per_node,dtype", [
+    ("8xa100-80gb", 1, 8, "a100-80gb"),
+    ("4xa100-40gb", 1, 4, "a100-40gb"),
+    ("16x8xh100-80gb", 16, 8, "h100-80gb"),
+    ("2x8xh200-141gb", 2, 8, "h200-141gb"),
+    ("4xcpu", 1, 4, "cpu"),
+])
+def test_preset_strings(text, nodes, per_node, dtype):
+    c = parse_cluster(text)
+    assert (c.num_nodes, c.devices_per_node, c.device.type) == (nodes, per_node, dtype)
+    assert c.world_size == nodes * per_node
+
+
+def test_preset_values():
+    c = parse_cluster("8xa100-80gb")
+    assert c.device.memory_bytes == 80 * GiB
+    assert c.device.peak_flops["bf16"] == 312e12
+    assert c.intra_node.bandwidth_Bps > c.inter_node.bandwidth_Bps
+
+
+def test_cpu_ranks_share_host_memory():
+    one, four = parse_cluster("1xcpu"), parse_cluster("4xcpu")
+    assert abs(four.device.memory_bytes * 4 - one.device.memory_bytes) <= 4
+
+
+def test_local_without_gpu_is_one_cpu():
+    c = parse_cluster("local")
+    assert c.world_size >= 1 and c.name == "local"
+
+
+def test_link_classes_and_graph():
+    c = parse_cluster("2x4xh100-80gb")
+    assert c.link(0, 3) == c.intra_node and c.link(3, 4) == c.inter_node
+    g = c.graph()
+    devices = [n for n, d in g.nodes(data=True) if d["kind"] == "device"]
+    assert len(devices) == 8
+    import networkx as nx
+
+    def bottleneck(a, b):
+        path = nx.shortest_path(g, a, b, weight="latency_s")
+        return min(g.edges[u, v]["bandwidth_Bps"] for u, v in zip(path, path[1:]))
+
+    assert bottleneck(0, 5) == c.inter_node.bandwidth_Bps
+    assert bottleneck(0, 3) == c.intra_node.bandwidth_Bps
+
+
+def test_json_round_trip():
+    c = parse_cluster("16x8xh100-80gb")
+    assert ClusterSpec.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+
+
+@pytest.mark.parametrize("text,message", [
+    ("8xb200", "unknown device type 'b200'"),
+    ("0xa100-80gb", "positive integer, got '0'"),
+    ("-2xa100-80gb", "positive integer"),
+    ("1.5xa100-80gb", "positive integer"),
+    ("a100", "cannot parse"),
+    ("2x4xcpu", "one node"),
+])
+def test_bad_cluster_strings(text, message):
+    with pytest.raises(InputError, match=message):
+        parse_cluster(text)
+
+
+def test_cluster_file_yaml_overrides(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("base: 2x8xa100-80gb\ninter_node:\n  bandwidth_Bps: 5.0e10\ndevice:\n  memory_bytes: 1000000\n")
+    c = parse_cluster(str(path))
+    assert c.num_nodes == 2 and c.inter_node.bandwidth_Bps == 5e10 and c.device.memory_bytes == 1000000
+    assert c.device.peak_flops["bf16"] == 312e12 and c.name == "mine"
+
+
+def test_cluster_file_json_full(tmp_path):
+    spec = parse_cluster("4xh100-80gb").to_dict()
+    spec["name"] = "custom"
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(spec))
+    assert parse_cluster(str(path)).name == "custom"
+
+
+@pytest.mark.parametrize("body,message", [
+    ("base: 2x8xa100-80gb\ndevice:\n  memory_bytes: -5\n", r"device\.memory_bytes: expected a positive integer"),
+    ("base: 2x8xa100-80gb\nnum_nodes: two\n", r"num_nodes: expected an integer"),
+    ("base: 8xfoo\n", "unknown device type"),
+    ("base: 8xa100-80gb\nintra_node: {bandwidth_Bps: 0, latency_s: 1e-6}\n", r"intra_node\.bandwidth_Bps"),
+    ("num_nodes: 1\n", r"missing"),
+    ("[1, 2]\n", "expected a mapping"),
+    ("a: [\n", "not valid YAML"),
+])
+def test_bad_cluster_files(tmp_path, body, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(body)
+    with pytest.raises(InputError, match=message):
+        parse_cluster(str(path))

@@ -1,0 +1,149 @@
+import json
+
+import pytest
+
+from planner.errors import InputError
+from planner.model_sources import BUILTIN_MODELS, builtin_model, from_hf_config, resolve_model
+from planner.model_spec import ModelSpec
+
+# Reference counts: Hugging Face `num_parameters()` of the published checkpoints (tied embeddings once).
+EXPECTED_PARAMS = {
+    "gpt2": 124_439_808,
+    "gpt2-medium": 354_823_168,
+    "gpt2-large": 774_030_080,
+    "gpt2-xl": 1_557_611_200,
+    "llama2-7b": 6_738_415_616,
+    "llama2-13b": 13_015_864_320,
+    "llama2-70b": 68_976_648_192,
+    "llama3-8b": 8_030_261_248,
+    "llama3-70b": 70_553_706_496,
+}
+
+
+@pytest.mark.parametrize("name,count", EXPECTED_PARAMS.items())
+def test_builtin_parameter_counts(name, count):
+    assert builtin_model(name).num_parameters == count
+
+
+def test_gpt3_175b_is_175b():
+    assert abs(builtin_model("gpt3-175b").num_parameters / 1e9 - 175) < 1
+
+
+def test_layer_list_is_embedding_blocks_head():
+    spec = builtin_model("llama3-8b")
+    kinds = [layer.kind for layer in spec.layers]
+    assert kinds == ["embedding"] + ["block"] * 32 + ["head"]
+    assert spec.block_indices == list(range(1, 33))
+
+
+def test_tied_head_counts_weight_once():
+    spec = builtin_model("gpt2")
+    head = spec.layers[-1]
+    assert head.tied_params == 50257 * 768 and head.params == 2 * 768
+
+
+@pytest.mark.parametrize("name", list(BUILTIN_MODELS))
+def test_json_round_trip(name):
+    spec = builtin_model(name)
+    again = ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+    assert again == spec
+
+
+def test_unknown_name_suggests_close_names():
+    with pytest.raises(InputError, match="did you mean llama3-8b"):
+        resolve_model("lama3-8b")
+
+
+HF_CONFIGS = {
+    "gpt2": ({"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,
+              "n_positions": 1024}, 124_439_808),
+    "llama": ({"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+               "max_position_embeddings": 8192, "rope_theta": 500000.0, "tie_word_embeddings": False},
+              8_030_261_248),
+    # Mistral-7B-v0.1: 7,241,732,096 parameters.
+    "mistral": ({"model_type": "mistral", "hidden_size": 4096, "num_hidden_layers": 32,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+                 "vocab_size": 32000, "max_position_embeddings": 32768}, 7_241_732_096),
+    # Qwen2-0.5B: 494,032,768 parameters (tied embeddings, q/k/v bias).
+    "qwen2": ({"model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+               "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936,
+               "max_position_embeddings": 32768, "tie_word_embeddings": True}, 494_032_768),
+}
+
+
+@pytest.mark.parametrize("kind", list(HF_CONFIGS))
+def test_hf_config(tmp_path, kind):
+    cfg, count = HF_CONFIGS[kind]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    spec = resolve_model(str(path))
+    assert spec.num_parameters == count
+
+
+def test_hf_config_malformed(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text("{not json")
+    with pytest.raises(InputError, match="not valid JSON"):
+        from_hf_config(str(path))
+
+
+def test_hf_config_unknown_type_names_field(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(InputError, match="model_type"):
+        from_hf_config(str(path))
+
+
+def test_hf_config_bad_value_names_field(tmp_path):
+    cfg = dict(HF_CONFIGS["llama"][0], hidden_size=-4)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match="hidden_size"):
+        from_hf_config(str(path))
+
+
+def test_hf_config_missing_file():
+    with pytest.raises(InputError, match="no such file"):
+        resolve_model("/nonexistent/config.json")
+
+
+def test_factory_finds_blocks_and_tied_head():
+    spec = resolve_model("tests.fixtures.factory_models:tiny_lm")
+    assert spec.arch == "custom" and spec.num_layers == 3
+    assert spec.num_heads == 4 and spec.hidden_size == 32 and spec.vocab_size == 100
+    from tests.fixtures.factory_models import TinyLM
+
+    assert spec.num_parameters == sum(p.numel() for p in TinyLM().parameters())
+    assert spec.layers[-1].tied_params == 100 * 32
+
+
+def test_factory_untied():
+    spec = resolve_model("tests.fixtures.factory_models:untied_lm")
+    from tests.fixtures.factory_models import TinyLM
+
+    assert spec.num_parameters == sum(p.numel() for p in TinyLM(tied=False).parameters())
+    assert spec.layers[-1].tied_params == 0
+
+
+@pytest.mark.parametrize("ref,message", [
+    ("tests.fixtures.factory_models:no_blocks", "no list of repeated blocks"),
+    ("tests.fixtures.factory_models:not_a_module", "expected an nn.Module"),
+    ("tests.fixtures.factory_models:broken", "failed: RuntimeError: boom"),
+    ("tests.fixtures.factory_models:missing", "no callable 'missing'"),
+    ("no_such_package.mod:fn", "cannot import module"),
+])
+def test_factory_errors(ref, message):
+    with pytest.raises(InputError, match=message):
+        resolve_model(ref)
+
+
+def test_model_json_rejects_bad_field():
+    data = builtin_model("tiny").to_dict()
+    data["num_heads"] = "four"
+    with pytest.raises(InputError, match=r"model\.num_heads: expected an integer"):
+        ModelSpec.from_dict(data)
+    data = builtin_model("tiny").to_dict()
+    data["num_parameters"] += 1
+    with pytest.raises(InputError, match=r"model\.num_parameters"):
+        ModelSpec.from_dict(data)

@@ -1,0 +1,68 @@
+import json
+
+import pytest
+
+from planner.errors import InputError
+from planner.plan import Plan, load_plan, save_plan
+from tests.helpers import make_plan
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(dp=4),
+    dict(pp=2, dp=2, schedule="1f1b"),
+    dict(pp=2, virtual_stages=2, schedule="interleaved-1f1b", num_micro_batches=4),
+    dict(pp=2, virtual_stages=2, schedule="zero-bubble", dp=2),
+    dict(tp=2, dp=2, zero=3, recompute="full"),
+])
+def test_round_trip(tmp_path, kwargs):
+    plan = make_plan(**kwargs)
+    path = tmp_path / "plan.json"
+    save_plan(plan, str(path))
+    again = load_plan(str(path))
+    assert again == plan
+    assert again.to_dict() == json.loads(path.read_text())
+
+
+def test_zero_bubble_v_places_stages_in_a_v():
+    plan = make_plan(pp=2, virtual_stages=2, schedule="zero-bubble")
+    assert [s.pp_rank for s in plan.stages] == [0, 1, 1, 0]
+    plan = make_plan(pp=2, virtual_stages=2, schedule="interleaved-1f1b", num_micro_batches=4)
+    assert [s.pp_rank for s in plan.stages] == [0, 1, 0, 1]
+
+
+def _mutated(mutate):
+    data = make_plan(pp=2, dp=2).to_dict()
+    mutate(data)
+    return data
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda d: d.update(schema_version=2), r"plan\.schema_version: expected 1"),
+    (lambda d: d["parallel"].update(tp=-1), r"plan\.parallel\.tp: expected a positive integer, got -1"),
+    (lambda d: d["parallel"].update(schedule="bogus"), r"plan\.parallel\.schedule: expected one of"),
+    (lambda d: d["parallel"].update(global_batch_size=7), r"plan\.parallel\.global_batch_size"),
+    (lambda d: d.update(world_size=3), r"plan\.world_size"),
+    (lambda d: d["mesh"].update(shape=[1, 2, 2]), r"plan\.mesh\.shape"),
+    (lambda d: d["stages"][1].update(layers=[2, 6]), r"plan\.stages\[1\]\.layers: expected to start at layer 3"),
+    (lambda d: d["stages"].pop(), r"plan\.stages: expected pp x virtual_stages = 2"),
+    (lambda d: d["model"].pop("hidden_size"), r"plan\.model\.hidden_size: missing"),
+    (lambda d: d["cluster"]["device"].update(memory_bytes="lots"), r"plan\.cluster\.device\.memory_bytes"),
+    (lambda d: d["predicted"].update(mfu=None), r"plan\.predicted\.mfu: expected a number"),
+    (lambda d: d["stages"][0].update(recompute_layers=9), r"plan\.stages\[0\]\.recompute_layers"),
+    (lambda d: d["parallel"].update(virtual_stages=2), r"plan\.parallel\.virtual_stages"),
+])
+def test_bad_plan_names_field(mutate, message):
+    with pytest.raises(InputError, match=message):
+        Plan.from_dict(_mutated(mutate))
+
+
+def test_load_plan_bad_files(tmp_path):
+    with pytest.raises(InputError, match="cannot read"):
+        load_plan(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(InputError, match="not valid JSON"):
+        load_plan(str(bad))
+    bad.write_text("[]")
+    with pytest.raises(InputError, match="plan: expected an object"):
+        load_plan(str(bad))
