@@ -28,6 +28,7 @@ class DeviceSpec:
     memory_bytes: int
     peak_flops: dict[str, float]  # dense peak by dtype: fp32, bf16, fp16
     efficiency: float = 0.5  # achieved / peak matmul throughput assumed for presets (user-overridable)
+    memory_bandwidth_Bps: float = 1e12  # for memory-bound work (optimizer step, embedding)
 
     @classmethod
     def from_dict(cls, data: dict, path: str) -> DeviceSpec:
@@ -40,7 +41,8 @@ class DeviceSpec:
         if not 0 < eff <= 1:
             raise f.fail("efficiency", "a number in (0, 1]", eff)
         return cls(type=f.str("type"), kind=f.str("kind", choices=("cuda", "cpu")),
-                   memory_bytes=f.int("memory_bytes", min=1), peak_flops=peak, efficiency=eff)
+                   memory_bytes=f.int("memory_bytes", min=1), peak_flops=peak, efficiency=eff,
+                   memory_bandwidth_Bps=f.float("memory_bandwidth_Bps", min=1.0, default=1e12))
 
 
 @dataclass(frozen=True)
@@ -68,15 +70,21 @@ def _host_memory_bytes() -> int:
 # total (300 GB/s per direction), HDR InfiniBand 200 Gb/s per GPU in DGX A100. NVIDIA H100 SXM datasheet
 # (2023): 67 TFLOP/s FP32, 989 TFLOP/s BF16/FP16 dense, NVLink4 900 GB/s (450 per direction), NDR 400 Gb/s
 # per GPU in DGX H100. H200 SXM datasheet (2024): H100 compute, 141 GB HBM3e, same NVLink/NDR.
+# HBM bandwidth: A100 40GB 1.555 TB/s, A100 80GB 2.039 TB/s, H100 SXM 3.35 TB/s, H200 4.8 TB/s.
 # Latencies: NCCL all-reduce small-message latency, ~5 us over NVLink, ~10 us over InfiniBand.
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
-    "a100-40gb": DeviceSpec("a100-40gb", "cuda", 40960 * MiB, {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12}),
-    "a100-80gb": DeviceSpec("a100-80gb", "cuda", 81920 * MiB, {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12}),
-    "h100-80gb": DeviceSpec("h100-80gb", "cuda", 81559 * MiB, {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12}),
-    "h200-141gb": DeviceSpec("h200-141gb", "cuda", 143771 * MiB, {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12}),
+    "a100-40gb": DeviceSpec("a100-40gb", "cuda", 40960 * MiB, {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12},
+                            memory_bandwidth_Bps=1.555e12),
+    "a100-80gb": DeviceSpec("a100-80gb", "cuda", 81920 * MiB, {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12},
+                            memory_bandwidth_Bps=2.039e12),
+    "h100-80gb": DeviceSpec("h100-80gb", "cuda", 81559 * MiB, {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12},
+                            memory_bandwidth_Bps=3.35e12),
+    "h200-141gb": DeviceSpec("h200-141gb", "cuda", 143771 * MiB, {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12},
+                             memory_bandwidth_Bps=4.8e12),
     # A CPU "device" is one process; its memory is this host's RAM shared by the processes of a node
     # (set in parse_cluster). FLOP/s: a nominal few-core AVX2 figure; the profiler measures the real one.
-    "cpu": DeviceSpec("cpu", "cpu", 16 * GiB, {"fp32": 1e11, "bf16": 2e10, "fp16": 1e10}, efficiency=0.3),
+    "cpu": DeviceSpec("cpu", "cpu", 16 * GiB, {"fp32": 1e11, "bf16": 2e10, "fp16": 1e10}, efficiency=0.3,
+                      memory_bandwidth_Bps=2e10),
 }
 
 LINK_PRESETS: dict[str, tuple[LinkSpec, LinkSpec]] = {  # (intra-node, inter-node)

@@ -1,13 +1,258 @@
-"""Profile JSON (filled in by the Profiler issue)."""
+"""Profile JSON: what the profiler measured (or derived from presets) and the planner consumes.
+
+The planner asks a Profile four questions — layer forward/backward time, recompute time, activation
+bytes, collective time — for any micro-batch size, sequence length and tensor-parallel degree. Measured
+samples are fitted to the closed-form shape in `profiler.analytic` (time = overhead + FLOPs / rate;
+bytes = measured/analytic ratio × analytic), so a few measured points answer the whole search space.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
+from dataclasses import asdict, dataclass, field
 
 from planner.errors import InputError
+from planner.fields import Fields
+from planner.model_spec import ModelSpec
+from profiler.analytic import layer_activation_bytes, layer_forward_flops
+
+SCHEMA_VERSION = 1
+LAYER_KINDS = ("embedding", "block", "head")
+LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+LINK_CLASSES = ("intra_node", "inter_node")
+RECOMPUTE_MODES = ("none", "selective", "full")
+CORRECTION_TERMS = ("compute", "tp_comm", "pp_comm", "dp_comm", "optimizer")
 
 
-def load_profile(path: str, model=None):
-    if not os.path.exists(path):
-        raise InputError(f"--profile: cannot read '{path}': no such file")
-    raise InputError("--profile: reading profiles is not implemented yet in this version of meshplan")
+def collective_factors(op: str, n: int) -> tuple[float, float]:
+    """(latency steps, bytes factor) of ring algorithms for a message of M bytes over n ranks
+    (Thakur et al. 2005; NCCL's bus-bandwidth convention): all-reduce 2(n-1) steps moving 2(n-1)/n·M,
+    all-gather / reduce-scatter (n-1) steps moving (n-1)/n·M (M = the full tensor), send/recv 1 and M."""
+    if n <= 1 and op != "send_recv":
+        return 0.0, 0.0
+    if op == "all_reduce":
+        return 2.0 * (n - 1), 2.0 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return float(n - 1), (n - 1) / n
+    if op == "send_recv":
+        return 1.0, 1.0
+    raise ValueError(f"unknown collective {op!r}")
+
+
+@dataclass
+class ComputeSample:
+    kind: str
+    micro_batch_size: int
+    seq_len: int
+    tp: int
+    forward_s: float
+    backward_s: float
+    spread: float = 0.0  # (p90 - p10) / median over the repeats, of forward + backward
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str) -> "ComputeSample":
+        f = Fields(data, path)
+        return cls(f.str("kind", choices=LAYER_KINDS), f.int("micro_batch_size", min=1), f.int("seq_len", min=1),
+                   f.int("tp", min=1), f.float("forward_s", min=0.0), f.float("backward_s", min=0.0),
+                   f.float("spread", min=0.0, default=0.0))
+
+
+@dataclass
+class MemorySample:
+    kind: str
+    micro_batch_size: int
+    seq_len: int
+    tp: int
+    recompute: str
+    activation_bytes: float
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str) -> "MemorySample":
+        f = Fields(data, path)
+        return cls(f.str("kind", choices=LAYER_KINDS), f.int("micro_batch_size", min=1), f.int("seq_len", min=1),
+                   f.int("tp", min=1), f.str("recompute", choices=RECOMPUTE_MODES),
+                   f.float("activation_bytes", min=0.0))
+
+
+@dataclass
+class LinkFit:
+    """time(op, M, n) = alpha_s · steps(op, n) + beta_s_per_byte · factor(op, n) · M."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+    measured_group_size: int = 0  # 0: from presets
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str) -> "LinkFit":
+        f = Fields(data, path)
+        return cls(f.float("alpha_s", min=0.0), f.float("beta_s_per_byte", min=0.0),
+                   f.int("measured_group_size", min=0, default=0))
+
+
+@dataclass
+class Profile:
+    model: ModelSpec
+    dtype: str
+    source: str  # "measured" or "preset"
+    device_kind: str  # "cuda" or "cpu"
+    device_name: str
+    torch_version: str
+    compute: list[ComputeSample]
+    links: dict[str, dict[str, LinkFit]]
+    memory: list[MemorySample] = field(default_factory=list)
+    optimizer_s_per_param: float = 0.0
+    concurrent_ranks: int = 1  # processes that ran at once while measuring (CPU ranks share cores)
+    corrections: dict[str, float] = field(default_factory=dict)  # per-term factors from `plan calibrate`
+    created: str = ""
+    schema_version: int = SCHEMA_VERSION
+
+    # ---- queries used by the planner's cost model ----
+
+    def layer_time(self, kind: str, b: int, s: int, tp: int) -> tuple[float, float]:
+        """(forward, backward) seconds of one layer for one micro-batch on one TP rank."""
+        work = layer_forward_flops(self.model, kind, b, s, tp)
+        fwd = self._fit(kind, tp, "forward_s")
+        bwd = self._fit(kind, tp, "backward_s")
+        return fwd[0] + fwd[1] * work, bwd[0] + bwd[1] * work
+
+    def _fit(self, kind: str, tp: int, attr: str) -> tuple[float, float]:
+        """Least-squares (overhead, seconds per FLOP) over the samples of this kind, preferring this tp."""
+        key = (kind, tp, attr)
+        cache = self.__dict__.setdefault("_fits", {})
+        if key in cache:
+            return cache[key]
+        samples = [c for c in self.compute if c.kind == kind]
+        if not samples:
+            raise InputError(f"profile: no compute samples for layer kind '{kind}'")
+        same_tp = [c for c in samples if c.tp == tp]
+        if len({(c.micro_batch_size, c.seq_len) for c in same_tp}) >= 2:
+            samples = same_tp
+        xs = [layer_forward_flops(self.model, c.kind, c.micro_batch_size, c.seq_len, c.tp) for c in samples]
+        ys = [getattr(c, attr) for c in samples]
+        cache[key] = _fit_line(xs, ys)
+        return cache[key]
+
+    def recompute_time(self, kind: str, b: int, s: int, tp: int, mode: str) -> float:
+        """Extra forward work in backward: a whole forward (full) or the attention core (selective), whose
+        share of the forward is taken from the FLOP count (4·b·s²·q_dim of the total)."""
+        if mode == "none" or kind != "block":
+            return 0.0
+        fwd, _ = self.layer_time(kind, b, s, tp)
+        if mode == "full":
+            return fwd
+        q_dim = self.model.num_heads * self.model.head_dim
+        attn = 4.0 * b * s * s * q_dim / tp
+        return fwd * attn / layer_forward_flops(self.model, kind, b, s, tp)
+
+    def activation_bytes(self, kind: str, b: int, s: int, tp: int, recompute: str = "none",
+                         sequence_parallel: bool = False) -> float:
+        analytic = layer_activation_bytes(self.model, kind, b, s, tp, self.dtype, recompute, sequence_parallel)
+        ratios = [m.activation_bytes / a for m in self.memory if m.kind == kind and m.recompute == recompute
+                  for a in [layer_activation_bytes(self.model, kind, m.micro_batch_size, m.seq_len, m.tp,
+                                                   self.dtype, recompute)] if a > 0]
+        return analytic * (sum(ratios) / len(ratios) if ratios else 1.0)
+
+    def collective_time(self, op: str, nbytes: float, n: int, link_class: str) -> float:
+        steps, factor = collective_factors(op, n)
+        if steps == 0.0:
+            return 0.0
+        fits = self.links.get(link_class) or self.links["intra_node"]
+        fit = fits.get(op) or fits["all_reduce"]
+        return fit.alpha_s * steps + fit.beta_s_per_byte * factor * nbytes
+
+    def correction(self, term: str) -> float:
+        return self.corrections.get(term, 1.0)
+
+    # ---- JSON ----
+
+    def to_dict(self) -> dict:
+        data = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        data["model"] = self.model.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str = "profile") -> "Profile":
+        f = Fields(data, path)
+        version = f.int("schema_version")
+        if version != SCHEMA_VERSION:
+            raise f.fail("schema_version", f"{SCHEMA_VERSION} (this meshplan's profile format)", version)
+        links_f = f.obj("links")
+        links = {}
+        for cls_name in links_f.data:
+            if cls_name not in LINK_CLASSES:
+                raise InputError(f"{path}.links.{cls_name}: expected one of {', '.join(LINK_CLASSES)}")
+            ops_f = links_f.obj(cls_name)
+            for op in ops_f.data:
+                if op not in LINK_OPS:
+                    raise InputError(f"{path}.links.{cls_name}.{op}: expected one of {', '.join(LINK_OPS)}")
+            links[cls_name] = {op: LinkFit.from_dict(v, f"{path}.links.{cls_name}.{op}")
+                               for op, v in ops_f.data.items()}
+        if "intra_node" not in links or "all_reduce" not in links["intra_node"]:
+            raise InputError(f"{path}.links.intra_node.all_reduce: missing (required field)")
+        corrections = f.number_map("corrections", default={})
+        for term in corrections:
+            if term not in CORRECTION_TERMS:
+                raise InputError(f"{path}.corrections.{term}: expected one of {', '.join(CORRECTION_TERMS)}")
+        return cls(
+            model=ModelSpec.from_dict(f.obj("model").data, f"{path}.model"),
+            dtype=f.str("dtype", choices=("fp32", "bf16", "fp16")),
+            source=f.str("source", choices=("measured", "preset")),
+            device_kind=f.str("device_kind", choices=("cuda", "cpu")),
+            device_name=f.str("device_name"), torch_version=f.str("torch_version"),
+            compute=[ComputeSample.from_dict(c, f"{path}.compute[{i}]") for i, c in enumerate(f.list("compute"))],
+            links=links,
+            memory=[MemorySample.from_dict(m, f"{path}.memory[{i}]")
+                    for i, m in enumerate(f.list("memory", default=[]))],
+            optimizer_s_per_param=f.float("optimizer_s_per_param", min=0.0, default=0.0),
+            concurrent_ranks=f.int("concurrent_ranks", min=1, default=1),
+            corrections=corrections, created=f.str("created", default=""),
+        )
+
+
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """y = a + c·x with a, c >= 0 (least squares; through the origin when x does not vary)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    if var > 0:
+        c = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+        a = my - c * mx
+        if a >= 0 and c >= 0:
+            return a, c
+    total = sum(xs)
+    return 0.0, (sum(ys) / total if total > 0 else 0.0)
+
+
+def same_model(a: ModelSpec, b: ModelSpec) -> bool:
+    """Equal dimensions and layers; the name may differ (a config.json and a built-in can match)."""
+    da, db = a.to_dict(), b.to_dict()
+    da.pop("name"), db.pop("name")
+    return da == db
+
+
+def load_profile(path: str, model: ModelSpec | None = None) -> Profile:
+    """Read and validate a profile; refuse one measured for another model or schema version."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except OSError as exc:
+        raise InputError(f"--profile: cannot read '{path}': {exc.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"--profile: '{path}' is not valid JSON: {exc}") from None
+    profile = Profile.from_dict(data, "profile")
+    if model is not None and not same_model(profile.model, model):
+        raise InputError(f"--profile: '{path}' was measured for model '{profile.model.name}', "
+                         f"not '{model.name}' (dimensions differ)")
+    return profile
+
+
+def save_profile(profile: Profile, path: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".profile-", suffix=".json")
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        json.dump(profile.to_dict(), fh, indent=2)
+        fh.write("\n")
+    os.replace(tmp, path)

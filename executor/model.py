@@ -1,0 +1,183 @@
+"""The reference decoder-only transformer built from a ModelSpec (gpt2 and llama architectures).
+
+One module per ModelSpec layer — `embedding`, `blocks.<i>`, `head` — so that pipeline stages cut
+exactly where the planner cut, and the profiler measures exactly what the executor runs. Attention
+and MLP projections are separate Linears (wq/wk/wv/wo, w1/w2/w3) so tensor parallelism shards them
+column-/row-wise as torchtitan does; head counts are read from the (possibly sharded) weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from planner.model_spec import ModelSpec
+
+
+def _norm(spec: ModelSpec) -> nn.Module:
+    if spec.norm == "layernorm":
+        return nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
+    return nn.RMSNorm(spec.hidden_size, eps=spec.norm_eps)
+
+
+def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding on x [b, s, heads, head_dim], computed on the fly (no buffers, so
+    meta-device construction and any sharding need no special handling)."""
+    _, s, _, d = x.shape
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    angles = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv)  # [s, d/2]
+    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, hd = spec.hidden_size, spec.head_dim
+        q_dim, kv_dim = spec.num_heads * hd, spec.num_kv_heads * hd
+        qkv_bias = spec.linear_bias or spec.qkv_bias
+        self.head_dim = hd
+        self.rope_theta = spec.rope_theta if spec.position == "rope" else None
+        self.wq = nn.Linear(h, q_dim, bias=qkv_bias)
+        self.wk = nn.Linear(h, kv_dim, bias=qkv_bias)
+        self.wv = nn.Linear(h, kv_dim, bias=qkv_bias)
+        self.wo = nn.Linear(q_dim, h, bias=spec.linear_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)  # -1: local heads under tensor parallelism
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.rope_theta is not None:
+            q, k = rotary(q, self.rope_theta), rotary(k, self.rope_theta)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, f = spec.hidden_size, spec.ffn_hidden_size
+        self.swiglu = spec.mlp == "swiglu"
+        self.w1 = nn.Linear(h, f, bias=spec.linear_bias)
+        self.w2 = nn.Linear(f, h, bias=spec.linear_bias)
+        self.w3 = nn.Linear(h, f, bias=spec.linear_bias) if self.swiglu else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.attention_norm = _norm(spec)
+        self.attention = Attention(spec)
+        self.ffn_norm = _norm(spec)
+        self.feed_forward = MLP(spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Embedding(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.tok = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.pos = nn.Embedding(spec.max_seq_len, spec.hidden_size) if spec.position == "learned" else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        return x
+
+
+class Head(nn.Module):
+    """Final norm + LM head; returns logits (the loss is the pipeline's `loss_fn`)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.norm = _norm(spec)
+        self.output = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(x))
+
+
+class Transformer(nn.Module):
+    """embedding -> blocks -> head. Pipeline stages keep a slice and set the rest to None (torchtitan)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        if spec.arch not in ("gpt2", "llama"):
+            raise ValueError(f"executor.model builds gpt2/llama architectures, not '{spec.arch}'")
+        self.spec = spec
+        self.embedding: nn.Module | None = Embedding(spec)
+        self.blocks = nn.ModuleDict({str(i): Block(spec) for i in range(spec.num_layers)})
+        self.head: nn.Module | None = Head(spec)
+        if spec.tied_embeddings:
+            self.head.output.weight = self.embedding.tok.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embedding is not None:
+            x = self.embedding(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.head is not None:
+            x = self.head(x)
+        return x
+
+    def keep_layers(self, start: int, end: int) -> "Transformer":
+        """Keep ModelSpec layers [start, end) (0 = embedding, 1..L = blocks, L+1 = head)."""
+        last = self.spec.num_layers + 1
+        if start > 0:
+            self.embedding = None
+        if end <= last:
+            self.head = None
+        for i in list(self.blocks.keys()):
+            if not start <= int(i) + 1 < end:
+                del self.blocks[i]
+        return self
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+
+
+def _seed_for(name: str, seed: int) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_value(name: str, shape: torch.Size, spec: ModelSpec, seed: int) -> torch.Tensor:
+    """Full (unsharded) initial value of parameter `name`, a function of (seed, name) alone, so every
+    plan — any sharding, any stage cut — starts from the same model. GPT-2 init: N(0, 0.02), output
+    projections N(0, 0.02 / sqrt(2L)), norms 1, biases 0."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "bias":
+        return torch.zeros(shape)
+    if "norm" in name:
+        return torch.ones(shape)
+    std = 0.02
+    if name.endswith(("wo.weight", "w2.weight")):
+        std = 0.02 / math.sqrt(2 * spec.num_layers)
+    gen = torch.Generator().manual_seed(_seed_for(name.replace("head.output.weight", "embedding.tok.weight")
+                                                  if spec.tied_embeddings else name, seed))
+    return torch.randn(shape, generator=gen) * std
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, seed: int) -> None:
+    """Initialise a materialised (non-meta, unsharded) model deterministically."""
+    for name, p in model.named_parameters():
+        p.copy_(init_value(name, p.shape, model.spec, seed))
