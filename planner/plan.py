@@ -156,6 +156,37 @@ class SearchStats:
 
 
 @dataclass
+class Placement:
+    """Optional: which global rank holds each mesh position. `ranks[i][j][k]` is the rank at pp index i,
+    dp index j, tp index k (build the mesh with `DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)`);
+    `order` names the dimensions from outermost (slowest links) to innermost. Absent: `init_device_mesh`
+    order, i.e. ranks laid out row-major over [pp, dp, tp]."""
+
+    order: list[str]
+    ranks: list
+
+    @classmethod
+    def from_dict(cls, data: dict, shape: list[int], path: str = "plan.placement") -> Placement:
+        f = Fields(data, path)
+        order = f.list("order")
+        if sorted(order) != sorted(MESH_DIMS):
+            raise f.fail("order", f"a permutation of {MESH_DIMS}", order)
+        ranks = f.list("ranks")
+        flat: list = []
+        ok = len(ranks) == shape[0]
+        for row in ranks if ok else []:
+            ok = ok and isinstance(row, list) and len(row) == shape[1]
+            for col in row if ok else []:
+                ok = ok and isinstance(col, list) and len(col) == shape[2]
+                flat.extend(col if ok else [])
+        if not ok or sorted(x if isinstance(x, int) and not isinstance(x, bool) else -1 for x in flat) \
+                != list(range(shape[0] * shape[1] * shape[2])):
+            raise f.fail("ranks", f"a {shape} nested list holding each rank 0..{shape[0] * shape[1] * shape[2] - 1}"
+                         " once", "another value")
+        return cls(order, ranks)
+
+
+@dataclass
 class Plan:
     model: ModelSpec
     cluster: ClusterSpec
@@ -165,6 +196,7 @@ class Plan:
     alternatives: list[Alternative] = field(default_factory=list)
     search: SearchStats = field(default_factory=SearchStats)
     schema_version: int = SCHEMA_VERSION
+    placement: Placement | None = None  # optional rank placement; None: row-major [pp, dp, tp]
 
     @property
     def world_size(self) -> int:
@@ -176,7 +208,7 @@ class Plan:
         return MeshSpec(list(MESH_DIMS), [p.pp, p.dp, p.tp])
 
     def to_dict(self) -> dict:
-        return {
+        data = {
             "schema_version": self.schema_version,
             "model": self.model.to_dict(),
             "cluster": self.cluster.to_dict(),
@@ -188,6 +220,9 @@ class Plan:
             "alternatives": [asdict(a) for a in self.alternatives],
             "search": asdict(self.search),
         }
+        if self.placement is not None:
+            data["placement"] = asdict(self.placement)
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -214,6 +249,8 @@ class Plan:
         mesh = MeshSpec.from_dict(f.obj("mesh").data, f"{path}.mesh")
         if mesh.shape != plan.mesh.shape:
             raise InputError(f"{path}.mesh.shape: expected [pp, dp, tp] = {plan.mesh.shape}, got {mesh.shape}")
+        if "placement" in data:
+            plan.placement = Placement.from_dict(f.obj("placement").data, plan.mesh.shape, f"{path}.placement")
         _check_stages(plan, path)
         return plan
 

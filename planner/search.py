@@ -1,13 +1,322 @@
-"""Search entry point (filled in by the planner issue)."""
+"""The search: enumerate the small outer space, bound, and solve the stage ILP only where it can win.
+
+Outer space: tp (divides heads, kv heads and a node), pp, dp = world/(tp·pp), micro-batch size b
+(m = global/(dp·b)), schedule and virtual stages, ZeRO level, recompute mode and mesh placement. Every
+candidate gets a lower bound on its iteration time (planner/cost_model.py `lower_bound`) and a memory
+lower bound; candidates are solved in order of their bound and the search stops once the bound reaches
+the k-th best solved plan — so the result is the optimum over the whole space under the cost model
+(tests/test_search.py checks it against brute force), while only a few ILPs are solved.
+"""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
 from planner.cluster_spec import ClusterSpec
 from planner.constraints import Constraints
-from planner.errors import InputError
+from planner.cost_model import (
+    Candidate,
+    Evaluation,
+    StageProblem,
+    Terms,
+    build_problem,
+    evaluate,
+    lower_bound,
+    memory_lower_bound,
+    model_flops_per_iteration,
+    state_bytes_per_param,
+)
+from planner.errors import InfeasibleError
+from planner.ilp import PartitionSolver, Solution
 from planner.model_spec import ModelSpec
-from planner.plan import Plan
+from planner.placement import Placer, allowed_cuts, model_graph
+from planner.plan import (
+    Alternative,
+    ParallelConfig,
+    Placement,
+    Plan,
+    Predicted,
+    SearchStats,
+    StagePlan,
+)
+
+Progress = Callable[[int, int], None]
+MAX_VIRTUAL_STAGES = 8
 
 
-def find_plan(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints, profile=None) -> Plan:
-    raise InputError("planning is not implemented yet in this version of meshplan (see the Planner issue)")
+@dataclass
+class Scored:
+    cand: Candidate
+    problem: StageProblem
+    solution: Solution
+    index: int  # enumeration order: the tie-break (simpler plans are enumerated first)
+
+    @property
+    def objective(self) -> float:
+        return self.solution.objective
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def schedules(pp: int, m: int, num_layers: int, constraints: Constraints) -> Iterator[tuple[str, int]]:
+    """(schedule, virtual stages) that torch.distributed.pipelining can run for this pp and m.
+    zero-bubble is emitted only as ZB-V (v = 2, V-shaped placement, ScheduleZBVZeroBubble) to keep the
+    executor's mapping simple; Schedule1F1B and ZBV need m ≥ pp; interleaved needs m % pp == 0."""
+    pin_s, pin_v = constraints.schedule, constraints.virtual_stages
+    if pp == 1:
+        options = [("1f1b", 1), ("gpipe", 1)] if pin_s in (None, "1f1b", "gpipe") else []
+        for name, v in options:
+            if (pin_s is None and name == "1f1b" or pin_s == name) and pin_v in (None, 1):
+                yield name, v
+        return
+    if pin_v in (None, 1):
+        if pin_s in (None, "gpipe"):
+            yield "gpipe", 1
+        if pin_s in (None, "1f1b") and m >= pp:
+            yield "1f1b", 1
+    if pin_s in (None, "interleaved-1f1b") and m % pp == 0:
+        vs = [pin_v] if pin_v is not None else range(2, MAX_VIRTUAL_STAGES + 1)
+        for v in vs:
+            if v >= 2 and pp * v <= num_layers:
+                yield "interleaved-1f1b", v
+    if pin_s in (None, "zero-bubble") and pin_v in (None, 2) and m >= pp and 2 * pp <= num_layers:
+        yield "zero-bubble", 2
+
+
+def candidates(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints,
+               placer: Placer) -> Iterator[Candidate]:
+    """Every outer candidate that satisfies the pins, simplest first within each mesh shape."""
+    world, gbs, c = cluster.world_size, constraints.global_batch_size, constraints
+    n_layers = len(model.layers)
+    for tp in divisors(world):
+        if (c.tp is not None and tp != c.tp) or cluster.devices_per_node % tp or model.num_heads % tp \
+                or model.num_kv_heads % tp:
+            continue
+        for pp in divisors(world // tp):
+            if (c.pp is not None and pp != c.pp) or pp > n_layers:
+                continue
+            dp = world // (tp * pp)
+            if (c.dp is not None and dp != c.dp) or gbs % dp:
+                continue
+            for b in divisors(gbs // dp):
+                if c.micro_batch_size is not None and b != c.micro_batch_size:
+                    continue
+                m = gbs // (dp * b)
+                for schedule, v in schedules(pp, m, n_layers, c):
+                    for zero in ([c.zero] if c.zero is not None else range(4 if dp > 1 else 1)):
+                        if c.recompute is not None:
+                            modes = [(c.recompute, c.recompute != "none")]
+                        else:
+                            modes = [("none", False), ("selective", False), ("full", False)]
+                        for mode, pinned in modes:
+                            for order in placer.orders(pp, dp, tp):
+                                yield Candidate(dp=dp, tp=tp, pp=pp, v=v, schedule=schedule, b=b, m=m, zero=zero,
+                                                recompute=mode, recompute_pinned=pinned, order=order)
+
+
+class Search:
+    """One search: the candidate list, bounds, the partition solver and the results."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, constraints: Constraints, profile,
+                 solver: str | None = None, force_assignment: bool = False):
+        self.model, self.cluster, self.c, self.profile = model, cluster, constraints, profile
+        self.seq = constraints.effective_seq_len(model)
+        self.mem_limit = cluster.device.memory_bytes * (1 - constraints.memory_margin)
+        self.placer = Placer(cluster)
+        self.cuts = allowed_cuts(model_graph(model))
+        self.terms = Terms(model, profile, self.seq, constraints.dtype)
+        self.partition = PartitionSolver(solver, force_assignment)
+        self.considered = 0
+        self.feasible = 0
+        self.memory_pruned: list[tuple[float, int, Candidate]] = []
+
+    def problem(self, cand: Candidate) -> StageProblem:
+        links = self.placer.links(cand.pp, cand.dp, cand.tp, cand.order)
+        return build_problem(self.model, self.profile, cand, self.seq, self.c.dtype, links, self.mem_limit,
+                             self.cuts, self.terms)
+
+    def run(self, keep: int, progress: Progress | None = None) -> list[Scored]:
+        bounded: list[tuple[float, int, Candidate, StageProblem]] = []
+        for index, cand in enumerate(candidates(self.model, self.cluster, self.c, self.placer)):
+            self.considered += 1
+            problem = self.problem(cand)
+            ratio = memory_lower_bound(problem)
+            if ratio > 1.0:
+                self.memory_pruned.append((ratio, index, cand))
+                continue
+            bounded.append((lower_bound(problem), index, cand, problem))
+        bounded.sort(key=lambda item: (item[0], item[1]))
+        results: list[Scored] = []
+        solved_none: dict[Candidate, bool] = {}
+        for done, (bound, index, cand, problem) in enumerate(bounded):
+            if progress is not None:
+                progress(done, len(bounded))
+            if len(results) >= keep and bound > results[keep - 1].objective * (1 + 1e-12):
+                break
+            if cand.recompute != "none" and not cand.recompute_pinned:
+                # With free recompute counts the optimum is the no-recompute one whenever that fits.
+                sibling = _replace(cand, recompute="none")
+                if sibling not in solved_none:
+                    solved_none[sibling] = self.partition.solve(self.problem(sibling)) is not None
+                if solved_none[sibling]:
+                    continue
+            solution = self.partition.solve(problem)
+            if cand.recompute == "none":
+                solved_none[cand] = solution is not None
+            if solution is None:
+                self.memory_pruned.append((1.0, index, cand))
+                continue
+            self.feasible += 1
+            results.append(Scored(cand, problem, solution, index))
+            results.sort(key=lambda r: (r.objective, r.index))
+        if progress is not None:
+            progress(len(bounded), len(bounded))
+        return results
+
+    def nearest(self, limit: int = 4) -> tuple[Candidate, StageProblem, Solution] | None:
+        """The candidate closest to fitting: the few with the best memory bounds, each solved for the
+        least memory over the limit."""
+        best = None
+        for _, _, cand in sorted(self.memory_pruned, key=lambda t: (t[0], t[1]))[:limit]:
+            problem = self.problem(cand)
+            if cand.recompute == "none" and not cand.recompute_pinned:
+                cand = _replace(cand, recompute="full")
+                problem = self.problem(cand)
+            sol = self.partition.min_memory(problem)
+            if sol is not None and (best is None or sol.objective < best[2].objective):
+                best = (cand, problem, sol)
+        return best
+
+
+def _replace(cand: Candidate, **kw) -> Candidate:
+    from dataclasses import replace
+
+    return replace(cand, **kw)
+
+
+def find_plan(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints, profile=None,
+              progress: Progress | None = None, solver: str | None = None) -> Plan:
+    """The plan with the least predicted iteration time that fits every device (exit 3 otherwise)."""
+    if profile is None:
+        from profiler.source import profile_for
+
+        profile = profile_for(model, cluster, constraints.dtype)
+    start = time.perf_counter()
+    search = Search(model, cluster, constraints, profile, solver)
+    results = search.run(1 + constraints.top_k, progress)
+    seconds = time.perf_counter() - start
+    if not results:
+        raise InfeasibleError(infeasible_message(search))
+    stats = SearchStats(candidates=search.considered, feasible=search.feasible, seconds=round(seconds, 4),
+                        solver=f"{search.partition.solver} via PuLP ({search.partition.solves} ILPs, "
+                               f"{search.partition.hits} cache hits)")
+    return to_plan(search, results, stats)
+
+
+def describe(cand: Candidate) -> str:
+    v = f" v={cand.v}" if cand.v > 1 else ""
+    return (f"pp={cand.pp} dp={cand.dp} tp={cand.tp} zero={cand.zero} {cand.schedule}{v} "
+            f"b={cand.b} m={cand.m} recompute={cand.recompute}")
+
+
+def infeasible_message(search: Search) -> str:
+    """Exit 3: the nearest candidate, by how much it exceeds memory where, and what would make it fit."""
+    usable = search.mem_limit
+    near = search.nearest()
+    c, dev = search.c, search.cluster.device
+    state = sum(layer.params for layer in search.model.layers) * 16.0
+    need_devices = int(-(-state // usable))
+    hints = []
+    if c.zero is not None and c.zero < 3:
+        hints.append("--zero 3 (shard parameters, gradients and optimizer over dp)")
+    if c.recompute in ("none", "selective"):
+        hints.append("--recompute full")
+    if c.micro_batch_size is not None and c.micro_batch_size > 1:
+        hints.append("a smaller --micro-batch-size")
+    for flag, value in (("--tp", c.tp), ("--pp", c.pp), ("--dp", c.dp)):
+        if value is not None:
+            hints.append(f"dropping {flag} {value}")
+    if c.memory_margin > 0.05:
+        hints.append(f"a smaller --memory-margin than {c.memory_margin}")
+    hints.append(f"more devices (model state alone is {_gib(state)} at 16 B/param: at least "
+                 f"{need_devices} devices of {_gib(dev.memory_bytes)} with ZeRO-3)")
+    fit = "; to fit try " + ", ".join(hints)
+    if near is None:
+        return (f"no feasible plan: no parallel configuration of {search.model.name} on {search.cluster.name} "
+                f"satisfies the constraints (searched {search.considered} candidates){fit}")
+    cand, problem, sol = near
+    ev = evaluate(problem, sol.bounds, sol.recompute)
+    worst = max(range(len(ev.rank_memory)), key=lambda r: ev.rank_memory[r])
+    stages = [s for s, r in enumerate(problem.rank) if r == worst]
+    over = ev.rank_memory[worst] - usable
+    return (f"no plan fits in memory: the nearest ({describe(cand)}) needs {_gib(ev.rank_memory[worst])} on "
+            f"pipeline rank {worst} (stage {', '.join(map(str, stages))}), {_gib(over)} ({int(over)} bytes) over "
+            f"the {_gib(usable)} usable per device ({_gib(dev.memory_bytes)} less the {c.memory_margin:.0%} "
+            f"margin){fit}")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _predicted(search: Search, scored: Scored, ev: Evaluation) -> Predicted:
+    cand = scored.cand
+    tokens = search.c.global_batch_size * search.seq
+    flops = model_flops_per_iteration(search.model, search.c.global_batch_size, search.seq)
+    peak = search.cluster.device.peak_flops[search.c.dtype] * cand.dp * cand.tp * cand.pp
+    bubble = scored.problem.bubble
+    return Predicted(
+        iteration_time_s=ev.iteration_time, tokens_per_s=tokens / ev.iteration_time,
+        bubble_fraction=bubble / (scored.problem.m + bubble), peak_memory_bytes=max(ev.rank_memory),
+        mfu=flops / (ev.iteration_time * peak))
+
+
+def _parallel(search: Search, scored: Scored) -> ParallelConfig:
+    cand = scored.cand
+    mode = cand.recompute if any(scored.solution.recompute) or cand.recompute_pinned else "none"
+    return ParallelConfig(
+        dp=cand.dp, tp=cand.tp, pp=cand.pp, virtual_stages=cand.v, zero=cand.zero, schedule=cand.schedule,
+        micro_batch_size=cand.b, num_micro_batches=cand.m, global_batch_size=search.c.global_batch_size,
+        seq_len=search.seq, recompute=mode, dtype=search.c.dtype, sequence_parallel=cand.tp > 1)
+
+
+def to_plan(search: Search, results: list[Scored], stats: SearchStats) -> Plan:
+    best = results[0]
+    cand, sol = best.cand, best.solution
+    pb, gb, ob = state_bytes_per_param(search.c.dtype, cand.zero, cand.dp)
+    total = pb + gb + ob
+    ev = evaluate(best.problem, sol.bounds, sol.recompute, (pb / total, gb / total, ob / total))
+    stages = []
+    for s, res in enumerate(ev.stages):
+        stages.append(StagePlan(
+            stage=s, pp_rank=best.problem.rank[s], layers=[sol.bounds[s], sol.bounds[s + 1]],
+            recompute_layers=sol.recompute[s],
+            predicted_time_s={"forward": res.forward, "backward": res.backward, "recompute": res.recompute,
+                              "communication": res.communication, "total": res.total,
+                              "dp_sync": res.dp_sync, "optimizer": res.optimizer},
+            predicted_memory_bytes={"parameters": res.parameters, "gradients": res.gradients,
+                                    "optimizer": res.optimizer_state, "activations": res.activations,
+                                    "total": res.memory_total}))
+    alternatives, seen = [], {_key(_parallel(search, best), best.cand.order)}
+    for other in results[1:]:
+        par = _parallel(search, other)
+        if _key(par, other.cand.order) in seen:
+            continue
+        seen.add(_key(par, other.cand.order))
+        oev = evaluate(other.problem, other.solution.bounds, other.solution.recompute)
+        note = f"{(oev.iteration_time / ev.iteration_time - 1):+.1%} time"
+        if other.cand.order != cand.order:
+            note += f", mesh order {'/'.join(other.cand.order)}"
+        alternatives.append(Alternative(par, _predicted(search, other, oev), note))
+    placement = search.placer.place(cand.pp, cand.dp, cand.tp, cand.order)
+    return Plan(model=search.model, cluster=search.cluster, parallel=_parallel(search, best), stages=stages,
+                predicted=_predicted(search, best, ev), alternatives=alternatives[:search.c.top_k], search=stats,
+                placement=Placement(list(placement.order), placement.ranks.tolist()))
+
+
+def _key(par: ParallelConfig, order: tuple[str, ...]) -> tuple:
+    return tuple(sorted(vars(par).items())) + (order,)

@@ -1,0 +1,506 @@
+"""Cost model (DESIGN.md §5): one function per term, each citing its source, fed only by Profile queries.
+
+The search turns a candidate (mesh shape, micro-batching, schedule, ZeRO level, recompute mode,
+placement) into a `StageProblem`: per-layer and per-stage coefficients that are linear in the layer →
+stage assignment and the per-stage recompute counts. `evaluate` computes the predicted iteration time
+and memory of one partition from those coefficients; the ILP (planner/ilp.py) optimises exactly the same
+expressions, and the brute-force tests compare the two.
+
+Units: per-stage times are seconds per micro-batch (what a timeline needs); the tail terms (gradient
+sync, optimizer step) are seconds per iteration; memory is bytes per device.
+
+Assumptions (documented once here):
+- Model state (ZeRO, Rajbhandari et al. SC'20, §3): mixed precision (bf16/fp16) Adam keeps a 16-bit
+  parameter (2 B), a 16-bit gradient (2 B) and fp32 master copy + 2 moments (12 B) = 16 B/param; fp32
+  Adam keeps parameter 4 + gradient 4 + 2 moments 8 = 16 B/param with no master copy. ZeRO-1 shards the
+  optimizer over dp, ZeRO-2 also the gradients, ZeRO-3 also the parameters.
+- All layers' parameters (vocab-parallel embedding and head included) are split over tp; the few norm
+  weights that TP replicates are neglected.
+- ZeRO-3 gathers two layers' parameters at a time (current + prefetch), the workspace term below.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from planner.model_spec import ModelSpec
+from profiler.analytic import DTYPE_BYTES, layer_forward_flops
+
+# (parameter, gradient, optimizer) bytes per parameter; see the module docstring.
+STATE_BYTES = {"bf16": (2.0, 2.0, 12.0), "fp16": (2.0, 2.0, 12.0), "fp32": (4.0, 4.0, 8.0)}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the outer search space. `order` is the mesh placement, outermost dim first."""
+
+    dp: int
+    tp: int
+    pp: int
+    v: int
+    schedule: str
+    b: int
+    m: int
+    zero: int
+    recompute: str  # none | selective | full (the mode; the ILP picks how many blocks per stage)
+    recompute_pinned: bool = False  # True: every block uses `recompute` (the user pinned --recompute)
+    order: tuple[str, ...] = ("pp", "dp", "tp")
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.v
+
+
+# ---------------------------------------------------------------------------------------------------
+# Terms. Each takes Profile queries (or closed forms) and returns seconds or bytes.
+# ---------------------------------------------------------------------------------------------------
+
+def compute_time(profile, kind: str, b: int, s: int, tp: int) -> tuple[float, float]:
+    """(forward, backward) s of one layer per micro-batch — measured by the profiler, or FLOPs /
+    (peak × efficiency) for presets (Narayanan et al. SC'21: backward ≈ 2× forward)."""
+    fwd, bwd = profile.layer_time(kind, b, s, tp)
+    k = profile.correction("compute")
+    return fwd * k, bwd * k
+
+
+def recompute_time(profile, kind: str, b: int, s: int, tp: int, mode: str) -> float:
+    """Extra forward work in backward: full = one forward (Chen et al. 2016; Narayanan et al. SC'21),
+    selective = the attention core only (Korthikanti et al. 2022, §5)."""
+    return profile.recompute_time(kind, b, s, tp, mode) * profile.correction("compute")
+
+
+def tp_comm_time(profile, kind: str, b: int, s: int, h: int, tp: int, dtype: str, mode: str) -> float:
+    """TP collectives per micro-batch (Shoeybi et al. 2019, §3): a block does 2 all-reduces of b·s·h in
+    forward and 2 in backward (with sequence parallelism the same volume as all-gather + reduce-scatter
+    pairs, Korthikanti et al. 2022 §4.2.2); full recompute repeats the 2 forward ones. The vocab-parallel
+    embedding reduces once in forward, the head's input gradient once in backward."""
+    if tp <= 1:
+        return 0.0
+    count = {"block": 4 + (2 if mode == "full" else 0), "embedding": 1, "head": 1}[kind]
+    nbytes = b * s * h * DTYPE_BYTES[dtype]
+    return count * profile.collective_time("all_reduce", nbytes, tp, "intra_node") * profile.correction("tp_comm")
+
+
+def pp_comm_time(profile, b: int, s: int, h: int, tp: int, dtype: str, sequence_parallel: bool,
+                 link_class: str) -> float:
+    """One boundary per micro-batch: a stage sends its output forward and its input gradient backward,
+    b·s·h values each (÷tp when sequence-parallel activations stay sharded), Narayanan et al. SC'21 §3.2.
+    Returned per side of a boundary: each stage pays it once per neighbour."""
+    nbytes = b * s * h * DTYPE_BYTES[dtype] / (tp if sequence_parallel else 1)
+    return profile.collective_time("send_recv", nbytes, 2, link_class) * profile.correction("pp_comm")
+
+
+def dp_sync_time(profile, params: float, dtype: str, dp: int, zero: int, link_class: str) -> float:
+    """Gradient synchronisation of `params` (already ÷tp) per iteration, once after the last
+    micro-batch (Li et al. VLDB'20, PyTorch DDP): all-reduce for ZeRO 0/1, reduce-scatter of gradients
+    + all-gather of updated parameters for ZeRO-2 (same volume, Rajbhandari et al. SC'20 §7), only the
+    reduce-scatter for ZeRO-3 (its parameter gathers are per micro-batch, `zero3_gather_time`)."""
+    if dp <= 1:
+        return 0.0
+    nbytes = params * DTYPE_BYTES[dtype]
+    if zero <= 1:
+        t = profile.collective_time("all_reduce", nbytes, dp, link_class)
+    elif zero == 2:
+        t = (profile.collective_time("reduce_scatter", nbytes, dp, link_class)
+             + profile.collective_time("all_gather", nbytes, dp, link_class))
+    else:
+        t = profile.collective_time("reduce_scatter", nbytes, dp, link_class)
+    return t * profile.correction("dp_comm")
+
+
+def zero3_gather_time(profile, params: float, dtype: str, dp: int, link_class: str) -> float:
+    """ZeRO-3 / FSDP all-gathers a layer's parameters before its forward and again before its backward,
+    every micro-batch (Rajbhandari et al. SC'20 §5.3; FSDP2 reshards after forward)."""
+    if dp <= 1:
+        return 0.0
+    nbytes = params * DTYPE_BYTES[dtype]
+    return 2.0 * profile.collective_time("all_gather", nbytes, dp, link_class) * profile.correction("dp_comm")
+
+
+def optimizer_time(profile, params: float, dp: int, zero: int) -> float:
+    """Adam step over the parameters this device updates (÷dp with ZeRO ≥ 1): memory bound, measured
+    or preset seconds per parameter (profiler/presets.py: 36 B touched per parameter)."""
+    return profile.optimizer_s_per_param * params / (dp if zero >= 1 else 1) * profile.correction("optimizer")
+
+
+def bubble_micro_batches(schedule: str, pp: int, v: int, zb_ratio: float) -> float:
+    """Idle time of the bottleneck rank, in micro-batch times: (p−1) for GPipe and 1F1B (Huang et al.
+    2019; Narayanan et al. SC'21), (p−1)/v interleaved (Narayanan et al. SC'21 §2.2), and for zero-bubble
+    the ZB-H1 bubble (p−1)·(T_F + T_B − T_W)/(T_F + T_B + T_W) (Qi et al. 2023, §3), ≈ (p−1)/3 when the
+    backward splits evenly into input gradient B and weight gradient W."""
+    if pp <= 1:
+        return 0.0
+    if schedule in ("gpipe", "1f1b"):
+        return float(pp - 1)
+    if schedule == "interleaved-1f1b":
+        return (pp - 1) / v
+    if schedule == "zero-bubble":
+        return (pp - 1) * zb_ratio
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def zb_ratio(forward: float, backward: float) -> float:
+    """(T_F + T_B − T_W)/(T_F + T_B + T_W) with B = W = backward/2 (Qi et al. 2023, Table 1)."""
+    total = forward + backward
+    return forward / total if total > 0 else 1.0 / 3.0
+
+
+def in_flight(schedule: str, pp: int, v: int, m: int, rank: int) -> float:
+    """Micro-batches of a rank's layers whose activations are alive at the peak, as a multiple of one
+    micro-batch of all the rank's layers.
+    GPipe: all m (Huang et al. 2019). 1F1B: pp − rank (Narayanan et al. SC'21 §2.2). Interleaved:
+    Megatron-LM's warm-up 2·(pp − rank − 1) + (v − 1)·pp + 1 chunk micro-batches spread over v chunks
+    (= pp·(1 + (pp−1)/(pp·v)) on rank 0, Korthikanti et al. 2022 §4.2.3). Zero-bubble V (ZB-V): pp
+    micro-batches on every rank, the 1F1B peak (Qi et al. 2023, §4)."""
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(pp - rank, m))
+    if schedule == "interleaved-1f1b":
+        return min(2 * (pp - rank - 1) + (v - 1) * pp + 1, m * v) / v
+    if schedule == "zero-bubble":
+        return float(min(pp, m))
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def state_bytes_per_param(dtype: str, zero: int, dp: int) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer) bytes per parameter on one device under ZeRO level `zero`."""
+    p, g, o = STATE_BYTES[dtype]
+    return (p / dp if zero >= 3 else p), (g / dp if zero >= 2 else g), (o / dp if zero >= 1 else o)
+
+
+def activation_bytes(profile, kind: str, b: int, s: int, tp: int, mode: str, sequence_parallel: bool) -> float:
+    """Bytes a layer keeps for backward per micro-batch (Korthikanti et al. 2022, Eq. 2-6; the profiler
+    measures, the formula is the fit's shape)."""
+    return profile.activation_bytes(kind, b, s, tp, mode if kind == "block" else "none", sequence_parallel)
+
+
+def model_flops_per_iteration(model: ModelSpec, global_batch: int, s: int) -> float:
+    """3 × forward FLOPs (forward + 2× backward), no recompute: the MFU numerator (Chowdhery et al. 2022)."""
+    return 3.0 * sum(layer_forward_flops(model, layer.kind, global_batch, s, 1) for layer in model.layers)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The per-candidate problem: coefficients linear in the assignment, shared by the ILP and `evaluate`.
+# ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class StageProblem:
+    """Everything the stage partition + recompute choice depends on, for one candidate.
+
+    Per layer l: `time` = forward + backward + TP comm per micro-batch; `fwd`, `bwd`; `act` bytes per
+    micro-batch without recompute; `state` bytes of parameters + gradients + optimizer; `opt` and `dp`
+    seconds per iteration; `gather` ZeRO-3 seconds per micro-batch. Per block: `rec_time` and
+    `rec_saving` when recomputed. Per stage: `boundary` PP comm per micro-batch and `rank`. Per rank:
+    `inflight` multiplier and `fixed` bytes (tied copy, ZeRO-3 workspace).
+    """
+
+    kinds: list[str]
+    time: list[float]
+    fwd: list[float]
+    bwd: list[float]
+    act: list[float]
+    state: list[float]
+    opt: list[float]
+    dp: list[float]
+    gather: list[float]
+    rec_time: float
+    rec_saving: float
+    rec_tp: float  # TP comm added per recomputed block (already in rec_time; kept for the report)
+    boundary: list[float]
+    rank: list[int]
+    pp: int
+    inflight: list[float]
+    fixed: list[float]
+    mem_limit: float
+    weight: float  # m + bubble micro-batches
+    bubble: float  # bubble micro-batches
+    m: int
+    unhidden: float  # fraction of gradient sync / ZeRO-3 gathers that can never overlap (last bucket)
+    recompute: str  # "free": 0..n per stage; "none"; "all"
+    cuts: list[bool] = field(default_factory=list)  # cuts[l]: a stage may start at layer l (l ≥ 1)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.kinds)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.rank)
+
+    def uniform_blocks(self) -> bool:
+        """Blocks identical and laid out embedding, blocks…, head with every cut allowed: then block
+        counts per stage determine the plan and the count ILP is the same problem."""
+        kinds = self.kinds
+        if len(kinds) < 3 or kinds[0] != "embedding" or kinds[-1] != "head" or \
+                any(k != "block" for k in kinds[1:-1]) or not all(self.cuts[1:]):
+            return False
+        blocks = range(1, len(kinds) - 1)
+        return all(
+            all(math.isclose(arr[i], arr[1], rel_tol=1e-12, abs_tol=0.0) for i in blocks)
+            for arr in (self.time, self.fwd, self.bwd, self.act, self.state, self.opt, self.dp, self.gather)
+        )
+
+    def key(self) -> tuple:
+        """Identical sub-problems (many candidates share one) hash equal."""
+        return (tuple(self.kinds), tuple(self.time), tuple(self.fwd), tuple(self.bwd), tuple(self.act),
+                tuple(self.state), tuple(self.opt), tuple(self.dp), tuple(self.gather), self.rec_time,
+                self.rec_saving, tuple(self.boundary), tuple(self.rank), tuple(self.inflight),
+                tuple(self.fixed), self.mem_limit, self.weight, self.unhidden, self.recompute, tuple(self.cuts))
+
+
+@dataclass
+class StageResult:
+    forward: float
+    backward: float
+    recompute: float
+    communication: float
+    total: float  # per micro-batch
+    dp_sync: float  # exposed, per iteration (the rank's)
+    optimizer: float  # per iteration (the rank's)
+    parameters: float
+    gradients: float
+    optimizer_state: float
+    activations: float
+    memory_total: float  # the rank's (all its stages)
+
+
+@dataclass
+class Evaluation:
+    iteration_time: float
+    stage_time_max: float  # the bottleneck rank's time per micro-batch
+    tail: float
+    rank_memory: list[float]
+    feasible: bool
+    stages: list[StageResult]
+
+
+def rank_of_stages(problem: StageProblem) -> list[list[int]]:
+    ranks: list[list[int]] = [[] for _ in range(problem.pp)]
+    for s, r in enumerate(problem.rank):
+        ranks[r].append(s)
+    return ranks
+
+
+def evaluate(problem: StageProblem, bounds: list[int], recompute: list[int],
+             state_split: tuple[float, float, float] = (1.0, 0.0, 0.0)) -> Evaluation:
+    """Predicted iteration time and per-rank memory of one partition: stage s holds layers
+    [bounds[s], bounds[s+1]) and recomputes `recompute[s]` of its blocks.
+
+    iteration = (m + bubble) · max_rank τ_rank + max_rank tail_rank, with τ_rank the rank's time per
+    micro-batch (all its stages, plus the ZeRO-3 gathers it cannot hide: max(gather − compute,
+    unhidden · gather), prefetching across the rank's layers) and tail_rank = optimizer + exposed
+    gradient sync, exposed = max(sync − one micro-batch of the rank's backward, unhidden · sync) (the
+    last bucket cannot overlap)."""
+    P = problem
+    rows = []
+    for s in range(P.num_stages):
+        layers = range(bounds[s], bounds[s + 1])
+        r = recompute[s]
+        rows.append(dict(
+            f=sum(P.fwd[i] for i in layers), g=sum(P.bwd[i] for i in layers),
+            base=sum(P.time[i] for i in layers) + r * P.rec_time + P.boundary[s],
+            gather=sum(P.gather[i] for i in layers), rec=r * P.rec_time,
+            act=sum(P.act[i] for i in layers) - r * P.rec_saving, state=sum(P.state[i] for i in layers),
+            opt=sum(P.opt[i] for i in layers), dp=sum(P.dp[i] for i in layers)))
+    ranks = rank_of_stages(P)
+    tau, tails, mem, z3 = [], [], [], []
+    for r, stages in enumerate(ranks):
+        gather = sum(rows[s]["gather"] for s in stages)
+        compute = sum(rows[s]["f"] + rows[s]["g"] for s in stages)
+        z3.append(max(gather - compute, P.unhidden * gather) if gather > 0 else 0.0)
+        tau.append(sum(rows[s]["base"] for s in stages) + z3[r])
+        sync = sum(rows[s]["dp"] for s in stages)
+        exposed = max(sync - sum(rows[s]["g"] for s in stages), P.unhidden * sync)
+        tails.append((exposed, sum(rows[s]["opt"] for s in stages)))
+        mem.append(sum(rows[s]["state"] + P.inflight[r] * rows[s]["act"] for s in stages) + P.fixed[r])
+    tau_max, tail = max(tau), max(e + o for e, o in tails)
+    results = []
+    p_frac, g_frac, o_frac = state_split
+    for s, row in enumerate(rows):
+        r = P.rank[s]
+        stages = ranks[r]
+        gather_r = sum(rows[k]["gather"] for k in stages)
+        share = row["gather"] / gather_r if gather_r > 0 else 0.0
+        total = row["base"] + z3[r] * share
+        n_r = len(stages)
+        results.append(StageResult(
+            forward=row["f"], backward=row["g"], recompute=row["rec"],
+            communication=total - row["f"] - row["g"] - row["rec"], total=total,
+            dp_sync=tails[r][0] / n_r, optimizer=tails[r][1] / n_r,
+            parameters=row["state"] * p_frac + P.fixed[r] / n_r, gradients=row["state"] * g_frac,
+            optimizer_state=row["state"] * o_frac, activations=P.inflight[r] * row["act"], memory_total=mem[r]))
+    iteration = P.weight * tau_max + tail
+    return Evaluation(iteration, tau_max, tail, mem, max(mem) <= P.mem_limit * (1 + 1e-9), results)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Building the problem from a candidate.
+# ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Links:
+    """Link class of each parallel dimension's worst group under a placement (planner/placement.py)."""
+
+    tp: str
+    pp: str
+    dp: str
+
+
+class Terms:
+    """Memoised per-kind and per-parameter-count terms: the search builds thousands of problems that
+    share them (the Profile is queried once per distinct input)."""
+
+    def __init__(self, model: ModelSpec, profile, seq_len: int, dtype: str):
+        self.model, self.profile, self.s, self.dtype = model, profile, seq_len, dtype
+        self.memo: dict[tuple, object] = {}
+
+    def _get(self, key: tuple, fn):
+        if key not in self.memo:
+            self.memo[key] = fn()
+        return self.memo[key]
+
+    def kind(self, kind: str, b: int, tp: int) -> tuple[float, float, float, float]:
+        """(forward, backward, TP comm, activation bytes) of one layer of `kind` per micro-batch."""
+        def make():
+            f, g = compute_time(self.profile, kind, b, self.s, tp)
+            c = tp_comm_time(self.profile, kind, b, self.s, self.model.hidden_size, tp, self.dtype, "none")
+            return f, g, c, activation_bytes(self.profile, kind, b, self.s, tp, "none", tp > 1)
+        return self._get(("kind", kind, b, tp), make)
+
+    def recompute(self, b: int, tp: int, mode: str) -> tuple[float, float, float]:
+        """(extra time, activation bytes saved, extra TP comm) per recomputed block per micro-batch."""
+        def make():
+            if mode == "none" or not self.model.num_layers:
+                return 0.0, 0.0, 0.0
+            h = self.model.hidden_size
+            _, _, c, a = self.kind("block", b, tp)
+            rec_tp = tp_comm_time(self.profile, "block", b, self.s, h, tp, self.dtype, mode) - c
+            rec = recompute_time(self.profile, "block", b, self.s, tp, mode) + rec_tp
+            return rec, a - activation_bytes(self.profile, "block", b, self.s, tp, mode, tp > 1), rec_tp
+        return self._get(("rec", b, tp, mode), make)
+
+    def hop(self, b: int, tp: int, link: str) -> float:
+        h = self.model.hidden_size
+        return self._get(("hop", b, tp, link),
+                         lambda: pp_comm_time(self.profile, b, self.s, h, tp, self.dtype, tp > 1, link))
+
+    def per_layer(self, tp: int, dp: int, zero: int, link: str) -> tuple[list, list, list, list]:
+        """(state bytes, optimizer s, gradient sync s, ZeRO-3 gather s) of every layer."""
+        def make():
+            pb, gb, ob = state_bytes_per_param(self.dtype, zero, dp)
+            by_params: dict[int, tuple] = {}
+            out: tuple[list, list, list, list] = ([], [], [], [])
+            for layer in self.model.layers:
+                if layer.params not in by_params:
+                    w = layer.params / tp
+                    by_params[layer.params] = (
+                        w * (pb + gb + ob), optimizer_time(self.profile, w, dp, zero),
+                        dp_sync_time(self.profile, w, self.dtype, dp, zero, link),
+                        zero3_gather_time(self.profile, w, self.dtype, dp, link) if zero >= 3 else 0.0)
+                for lst, value in zip(out, by_params[layer.params]):
+                    lst.append(value)
+            return out
+        return self._get(("layer", tp, dp, zero, link), make)
+
+
+def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtype: str, links: Links,
+                  mem_limit: float, cuts: list[bool], terms: Terms | None = None) -> StageProblem:
+    """Coefficients of `cand` for every layer, stage and rank."""
+    from planner.plan import stage_rank
+
+    terms = terms or Terms(model, profile, seq_len, dtype)
+    b, tp, dp, pp, v, zero = cand.b, cand.tp, cand.dp, cand.pp, cand.v, cand.zero
+    kinds = [layer.kind for layer in model.layers]
+    rows = {k: terms.kind(k, b, tp) for k in set(kinds)}
+    fwd = [rows[k][0] for k in kinds]
+    bwd = [rows[k][1] for k in kinds]
+    time = [rows[k][0] + rows[k][1] + rows[k][2] for k in kinds]
+    act = [rows[k][3] for k in kinds]
+    state, opt, dps, gather = terms.per_layer(tp, dp, zero, links.dp)
+    rec_time, rec_saving, rec_tp = terms.recompute(b, tp, cand.recompute)
+    S = cand.num_stages
+    rank = [stage_rank(k, pp, cand.schedule, v) for k in range(S)]
+    hop = terms.hop(b, tp, links.pp) if pp > 1 else 0.0
+    boundary = [hop * ((k > 0 and rank[k - 1] != rank[k]) + (k < S - 1 and rank[k + 1] != rank[k]))
+                for k in range(S)]
+    inflight = [in_flight(cand.schedule, pp, v, cand.m, r) for r in range(pp)]
+    fixed = [0.0] * pp
+    pb, gb, ob = state_bytes_per_param(dtype, zero, dp)
+    tied = sum(layer.tied_params for layer in model.layers if layer.kind == "head")
+    if tied and rank[-1] != rank[0]:
+        fixed[rank[-1]] += tied / tp * (pb + gb + ob)
+    if zero >= 3 and dp > 1:
+        workspace = 2.0 * max(layer.params for layer in model.layers) / tp * DTYPE_BYTES[dtype]
+        fixed = [x + workspace for x in fixed]
+    bubble = bubble_micro_batches(cand.schedule, pp, v, zb_ratio(sum(fwd), sum(bwd)))
+    recompute = "none" if cand.recompute == "none" else ("all" if cand.recompute_pinned else "free")
+    return StageProblem(
+        kinds=kinds, time=time, fwd=fwd, bwd=bwd, act=act, state=state, opt=opt, dp=dps, gather=gather,
+        rec_time=rec_time, rec_saving=rec_saving, rec_tp=rec_tp, boundary=boundary, rank=rank, pp=pp,
+        inflight=inflight, fixed=fixed, mem_limit=mem_limit, weight=cand.m + bubble, bubble=bubble, m=cand.m,
+        unhidden=1.0 / max(1.0, len(kinds) / S), recompute=recompute, cuts=cuts,
+    )
+
+
+def min_recomputed_blocks(problem: StageProblem) -> float:
+    """Fewest recomputed blocks any partition within memory needs (a relaxation): a block on rank r
+    costs state + k_r·(act − ρ·saving) ≥ state + k_min·(act − ρ·saving), and all blocks must fit in
+    the memory the ranks have left after their fixed layers."""
+    P = problem
+    if P.recompute == "none" or P.rec_saving <= 0 or not math.isfinite(P.mem_limit):
+        return 0.0
+    blocks = [i for i, k in enumerate(P.kinds) if k == "block"]
+    first, last = P.rank[0], P.rank[-1]
+    first_block = blocks[0] if blocks else 1
+    left = [P.mem_limit - f for f in P.fixed]
+    for i, k in enumerate(P.kinds):
+        if k != "block":
+            r = first if i < first_block else last
+            left[r] -= P.state[i] + P.inflight[r] * P.act[i]
+    k_min = min(P.inflight)
+    need = sum(P.state[i] + k_min * P.act[i] for i in blocks) - sum(left)
+    return min(float(len(blocks)), max(0.0, need / (k_min * P.rec_saving)))
+
+
+def lower_bound(problem: StageProblem) -> float:
+    """A bound no partition of this candidate beats: total work (with the least recompute memory
+    allows, and ZeRO-3 gathers hidden at best behind all compute) spread evenly over the ranks and no
+    shorter than the longest layer, plus the average tail."""
+    P = problem
+    gather = sum(P.gather)
+    z3 = max(gather - sum(P.fwd) - sum(P.bwd), P.unhidden * gather) if gather > 0 else 0.0
+    work = sum(P.time) + sum(P.boundary) + z3
+    if P.recompute == "all":
+        work += P.rec_time * sum(1 for k in P.kinds if k == "block")
+    elif P.recompute == "free":
+        work += P.rec_time * math.ceil(min_recomputed_blocks(P) - 1e-9)
+    tau = max(work / P.pp, max(P.time))
+    sync, bwd = sum(P.dp), sum(P.bwd)
+    tail = (sum(P.opt) + max(sync - bwd, P.unhidden * sync)) / P.pp
+    return P.weight * tau + tail
+
+
+def memory_lower_bound(problem: StageProblem) -> float:
+    """Necessary condition for a partition within memory, as a ratio (≤ 1: may fit; > 1: cannot):
+    with maximum recompute, the blocks must fit in what each rank has left after its fixed layers
+    (relaxed to fractional blocks)."""
+    P = problem
+    saving = P.rec_saving if P.recompute != "none" else 0.0
+    left = [P.mem_limit - f for f in P.fixed]
+    first, last = P.rank[0], P.rank[-1]
+    blocks = [i for i, k in enumerate(P.kinds) if k == "block"]
+    first_block = blocks[0] if blocks else 1
+    for i, k in enumerate(P.kinds):  # embedding on the first stage's rank, head on the last's
+        if k != "block":
+            r = first if i < first_block else last
+            left[r] -= P.state[i] + P.inflight[r] * P.act[i]
+    if min(left) < 0:
+        return 1.0 + max(-x for x in left) / P.mem_limit + 1.0
+    if not blocks:
+        return 0.0
+    per_block = min(P.state[i] for i in blocks)
+    act = min(P.act[i] for i in blocks) - saving
+    capacity = sum(x / (per_block + P.inflight[r] * act) for r, x in enumerate(left))
+    return len(blocks) / capacity if capacity > 0 else float("inf")

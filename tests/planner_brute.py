@@ -1,0 +1,63 @@
+"""Brute force over every plan under the cost model, for checking the ILPs and the search on small
+instances (≤ 8 devices, ≤ 12 layers)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+from planner.cluster_spec import ClusterSpec, parse_cluster
+from planner.constraints import Constraints
+from planner.cost_model import StageProblem, evaluate
+from planner.model_sources import builtin_model
+from planner.model_spec import ModelSpec
+from planner.search import Search, candidates
+
+
+def partitions(P: StageProblem):
+    """Every contiguous split of the layers into P.num_stages non-empty stages at allowed cuts."""
+    N, S = P.num_layers, P.num_stages
+    cuts = [i for i in range(1, N) if not P.cuts or P.cuts[i]]
+    for inner in itertools.combinations(cuts, S - 1):
+        yield [0, *inner, N]
+
+
+def recompute_choices(P: StageProblem, bounds: list[int]):
+    blocks = [sum(1 for i in range(bounds[s], bounds[s + 1]) if P.kinds[i] == "block")
+              for s in range(P.num_stages)]
+    if P.recompute == "none" or (P.rec_time == 0 and P.rec_saving == 0):
+        yield [0] * len(blocks)
+    elif P.recompute == "all":
+        yield blocks
+    else:
+        yield from (list(r) for r in itertools.product(*[range(n + 1) for n in blocks]))
+
+
+def brute_partition(P: StageProblem) -> float | None:
+    best = None
+    for bounds in partitions(P):
+        for rec in recompute_choices(P, bounds):
+            ev = evaluate(P, bounds, rec)
+            if ev.feasible and (best is None or ev.iteration_time < best):
+                best = ev.iteration_time
+    return best
+
+
+def brute_search(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints, profile) -> float | None:
+    search = Search(model, cluster, constraints, profile)
+    best = None
+    for cand in candidates(model, cluster, constraints, search.placer):
+        value = brute_partition(search.problem(cand))
+        if value is not None and (best is None or value < best):
+            best = value
+    return best
+
+
+def small_model(blocks: int = 4, name: str = "tiny") -> ModelSpec:
+    base = builtin_model(name)
+    return replace(base, name=f"{name}-{blocks}", num_layers=blocks, layers=())
+
+
+def small_cluster(text: str, memory_bytes: int) -> ClusterSpec:
+    cluster = parse_cluster(text)
+    return replace(cluster, device=replace(cluster.device, memory_bytes=memory_bytes))
