@@ -118,12 +118,16 @@ def run_main(argv: Sequence[str]) -> int:
         dtype=args.dtype, memory_margin=args.memory_margin, top_k=args.top_k,
     )
     constraints.validate(model, cluster)
-    profile = None
     if args.profile:
         from profiler.profile import load_profile
 
         profile = load_profile(args.profile, model=model)
-    plan = find_plan(model, cluster, constraints, profile)
+    else:
+        from profiler.source import profile_for
+
+        profile = profile_for(model, cluster, constraints.dtype)
+    with DelayedProgress("searching plans") as progress:
+        plan = find_plan(model, cluster, constraints, profile, progress=progress)
     if args.output:
         save_plan(plan, args.output)
     if args.json:
@@ -135,6 +139,41 @@ def run_main(argv: Sequence[str]) -> int:
         if args.output:
             print(f"plan written to {args.output}")
     return 0
+
+
+class DelayedProgress:
+    """A rich progress bar on stderr that appears only once the work has taken over a second (short
+    searches print nothing extra; stdout stays clean for --json)."""
+
+    def __init__(self, description: str, delay_s: float = 1.0):
+        import time
+
+        self.description, self.delay_s, self.clock = description, delay_s, time.perf_counter
+        self.start = self.clock()
+        self.bar = None
+        self.task = None
+
+    def __enter__(self) -> DelayedProgress:
+        self.start = self.clock()
+        return self
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            if self.clock() - self.start < self.delay_s:
+                return
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("candidates (best-first; stops at the bound)"), TimeElapsedColumn(),
+                                console=Console(stderr=True), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task(self.description, total=total)
+        self.bar.update(self.task, completed=done, total=total)
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
 
 
 def _not_yet(name: str) -> Callable[[Sequence[str]], int]:

@@ -274,6 +274,7 @@ class PartitionSolver:
         self.force_assignment = force_assignment
         self.cache: dict[tuple, Solution | None] = {}
         self.free: dict[tuple, Solution | None] = {}
+        self.seen: dict[tuple, int] = {}
         self.solves = 0
         self.hits = 0
 
@@ -288,8 +289,12 @@ class PartitionSolver:
             self.hits += 1
             return self.cache[key]
         tkey = _time_key(P)
-        if tkey not in self.free and min_recomputed_blocks(P) > 0:
-            sol = self._solve(P)  # memory surely binds: the memory-free optimum cannot fit
+        first = self.seen.setdefault(tkey, 0) == 0
+        self.seen[tkey] += 1
+        if tkey not in self.free and (first or min_recomputed_blocks(P) > 0):
+            # Solve directly the first time an objective appears, or when memory surely binds (the
+            # memory-free optimum cannot fit); the memory-free solve pays off from the second time on.
+            sol = self._solve(P)
             self.cache[key] = sol
             return sol
         if tkey not in self.free:
@@ -309,7 +314,9 @@ class PartitionSolver:
 
 
 def _time_key(P: StageProblem) -> tuple:
-    """Everything but memory: two problems with this key have the same objective everywhere."""
-    return (tuple(P.kinds), tuple(P.time), tuple(P.fwd), tuple(P.bwd), tuple(P.opt), tuple(P.dp),
-            tuple(P.gather), P.rec_time, tuple(P.boundary), tuple(P.rank), P.weight, P.unhidden, P.recompute,
-            tuple(P.cuts))
+    """Everything but memory: two problems with this key have the same objective everywhere (values
+    rounded to 12 digits: ZeRO-1 and ZeRO-2 reach the same sync time through different sums)."""
+    def r(xs):
+        return tuple(float(f"{x:.12g}") for x in xs)
+    return (tuple(P.kinds), r(P.time), r(P.fwd), r(P.bwd), r(P.opt), r(P.dp), r(P.gather), r([P.rec_time]),
+            r(P.boundary), tuple(P.rank), r([P.weight, P.unhidden]), P.recompute, tuple(P.cuts))

@@ -37,7 +37,7 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
         + f"  seq {p.seq_len}  recompute={p.recompute}  {p.dtype}"
     )
     table = Table(title="stages", show_lines=False)
-    for col in ("stage", "pp rank", "layers", "recompute", "time/iter", "memory"):
+    for col in ("stage", "pp rank", "layers", "recompute", "time/micro-batch", "memory (rank)"):
         table.add_column(col, justify="right")
     for s in plan.stages:
         table.add_row(
@@ -58,5 +58,10 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
             f"m={a.num_micro_batches} recompute={a.recompute}: {alt.predicted.iteration_time_s * 1e3:.1f} ms"
             + (f" ({alt.note})" if alt.note else "")
         )
+    if plan.placement is not None:
+        console.print(f"placement: mesh order {' > '.join(plan.placement.order)} (outermost first; tp on the fastest "
+                      "links)")
     s = plan.search
-    console.print(f"search: {s.candidates} candidates, {s.feasible} feasible, {s.seconds:.2f} s, solver {s.solver}")
+    per = s.seconds / s.candidates * 1e6 if s.candidates else 0.0
+    console.print(f"search: {s.candidates} candidates ({per:.0f} us each), {s.feasible} solved feasible, "
+                  f"{s.seconds:.2f} s, solver {s.solver}")

@@ -10,6 +10,7 @@ the k-th best solved plan — so the result is the optimum over the whole space 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,12 +22,13 @@ from planner.cost_model import (
     Evaluation,
     StageProblem,
     Terms,
+    bubble_micro_batches,
     build_problem,
     evaluate,
-    lower_bound,
-    memory_lower_bound,
+    in_flight,
     model_flops_per_iteration,
     state_bytes_per_param,
+    zb_ratio,
 )
 from planner.errors import InfeasibleError
 from planner.ilp import PartitionSolver, Solution
@@ -40,7 +42,9 @@ from planner.plan import (
     Predicted,
     SearchStats,
     StagePlan,
+    stage_rank,
 )
+from profiler.analytic import DTYPE_BYTES
 
 Progress = Callable[[int, int], None]
 MAX_VIRTUAL_STAGES = 8
@@ -133,30 +137,110 @@ class Search:
         self.considered = 0
         self.feasible = 0
         self.memory_pruned: list[tuple[float, int, Candidate]] = []
+        self.quick = _Quick(model)
 
     def problem(self, cand: Candidate) -> StageProblem:
         links = self.placer.links(cand.pp, cand.dp, cand.tp, cand.order)
         return build_problem(self.model, self.profile, cand, self.seq, self.c.dtype, links, self.mem_limit,
                              self.cuts, self.terms)
 
+    def bounds(self, cand: Candidate) -> tuple[float, float]:
+        """(lower_bound, memory_lower_bound) of the candidate's problem, from per-kind sums without
+        building it (thousands of candidates; tests check it equals the per-layer computation)."""
+        q = self.quick
+        links = self.placer.links(cand.pp, cand.dp, cand.tp, cand.order)
+        b, tp, S, pp = cand.b, cand.tp, cand.num_stages, cand.pp
+        rows = {k: self.terms.kind(k, b, tp) for k in q.counts}
+        fsum = sum(n * rows[k][0] for k, n in q.counts.items())
+        gsum = sum(n * rows[k][1] for k, n in q.counts.items())
+        tsum = sum(n * (rows[k][0] + rows[k][1] + rows[k][2]) for k, n in q.counts.items())
+        tmax = max(rows[k][0] + rows[k][1] + rows[k][2] for k in q.counts)
+        agg = self._layer_sums(tp, cand.dp, cand.zero, links.dp)
+        rank = self._ranks(pp, cand.schedule, cand.v)
+        crossings = sum(1 for k in range(S - 1) if rank[k] != rank[k + 1])
+        hop = self.terms.hop(b, tp, links.pp) if pp > 1 else 0.0
+        unhidden = 1.0 / max(1.0, q.num_layers / S)
+        z3 = max(agg["gather"] - fsum - gsum, unhidden * agg["gather"]) if agg["gather"] > 0 else 0.0
+        work = tsum + 2 * crossings * hop + z3
+        rec_time, rec_saving, _ = self.terms.recompute(b, tp, cand.recompute)
+        recompute = "none" if cand.recompute == "none" else ("all" if cand.recompute_pinned else "free")
+        inflight = self._inflight(cand.schedule, pp, cand.v, cand.m)
+        fixed = [0.0] * pp
+        if q.tied and rank[-1] != rank[0]:
+            fixed[rank[-1]] += q.tied / tp * agg["bytes_per_param"]
+        if cand.zero >= 3 and cand.dp > 1:
+            fixed = [x + agg["workspace"] for x in fixed]
+        left = [self.mem_limit - f for f in fixed]
+        for i, params_state, kind in agg["ends"]:
+            r = rank[0] if i < q.first_block else rank[-1]
+            left[r] -= params_state + inflight[r] * rows[kind][3]
+        blocks = q.counts.get("block", 0)
+        act_blk = rows["block"][3] if blocks else 0.0
+        if min(left) < 0:
+            ratio = 2.0 + max(-x for x in left) / self.mem_limit
+        elif not blocks:
+            ratio = 0.0
+        else:
+            act_min = act_blk - (rec_saving if recompute != "none" else 0.0)
+            capacity = sum(x / (agg["block_state_min"] + inflight[r] * act_min) for r, x in enumerate(left))
+            ratio = blocks / capacity if capacity > 0 else float("inf")
+        if recompute == "all":
+            work += rec_time * blocks
+        elif recompute == "free" and rec_saving > 0 and blocks:
+            k_min = min(inflight)
+            need = agg["block_state"] + k_min * act_blk * blocks - sum(left)
+            work += rec_time * math.ceil(min(float(blocks), max(0.0, need / (k_min * rec_saving))) - 1e-9)
+        bubble = bubble_micro_batches(cand.schedule, pp, cand.v, zb_ratio(fsum, gsum))
+        tau = max(work / pp, tmax)
+        tail = (agg["opt"] + max(agg["dp"] - gsum, unhidden * agg["dp"])) / pp
+        return (cand.m + bubble) * tau + tail, ratio
+
+    def _layer_sums(self, tp: int, dp: int, zero: int, link: str) -> dict:
+        key = ("sums", tp, dp, zero, link)
+        if key not in self.terms.memo:
+            state, opt, dps, gather = self.terms.per_layer(tp, dp, zero, link)
+            kinds = self.quick.kinds
+            blocks = [i for i, k in enumerate(kinds) if k == "block"]
+            pb, gb, ob = state_bytes_per_param(self.c.dtype, zero, dp)
+            self.terms.memo[key] = dict(
+                state=sum(state), opt=sum(opt), dp=sum(dps), gather=sum(gather),
+                block_state=sum(state[i] for i in blocks),
+                block_state_min=min((state[i] for i in blocks), default=0.0),
+                ends=[(i, state[i], k) for i, k in enumerate(kinds) if k != "block"],
+                bytes_per_param=pb + gb + ob,
+                workspace=2.0 * max(layer.params for layer in self.model.layers) / tp * DTYPE_BYTES[self.c.dtype])
+        return self.terms.memo[key]
+
+    def _ranks(self, pp: int, schedule: str, v: int) -> list[int]:
+        key = ("ranks", pp, schedule, v)
+        if key not in self.terms.memo:
+            self.terms.memo[key] = [stage_rank(k, pp, schedule, v) for k in range(pp * v)]
+        return self.terms.memo[key]
+
+    def _inflight(self, schedule: str, pp: int, v: int, m: int) -> list[float]:
+        key = ("inflight", schedule, pp, v, m)
+        if key not in self.terms.memo:
+            self.terms.memo[key] = [in_flight(schedule, pp, v, m, r) for r in range(pp)]
+        return self.terms.memo[key]
+
     def run(self, keep: int, progress: Progress | None = None) -> list[Scored]:
-        bounded: list[tuple[float, int, Candidate, StageProblem]] = []
+        bounded: list[tuple[float, int, Candidate]] = []
         for index, cand in enumerate(candidates(self.model, self.cluster, self.c, self.placer)):
             self.considered += 1
-            problem = self.problem(cand)
-            ratio = memory_lower_bound(problem)
+            bound, ratio = self.bounds(cand)
             if ratio > 1.0:
                 self.memory_pruned.append((ratio, index, cand))
                 continue
-            bounded.append((lower_bound(problem), index, cand, problem))
+            bounded.append((bound, index, cand))
         bounded.sort(key=lambda item: (item[0], item[1]))
         results: list[Scored] = []
         solved_none: dict[Candidate, bool] = {}
-        for done, (bound, index, cand, problem) in enumerate(bounded):
+        for done, (bound, index, cand) in enumerate(bounded):
             if progress is not None:
                 progress(done, len(bounded))
             if len(results) >= keep and bound > results[keep - 1].objective * (1 + 1e-12):
                 break
+            problem = self.problem(cand)
             if cand.recompute != "none" and not cand.recompute_pinned:
                 # With free recompute counts the optimum is the no-recompute one whenever that fits.
                 sibling = _replace(cand, recompute="none")
@@ -190,6 +274,19 @@ class Search:
             if sol is not None and (best is None or sol.objective < best[2].objective):
                 best = (cand, problem, sol)
         return best
+
+
+class _Quick:
+    """Per-kind layer counts of the model, for `Search.bounds`."""
+
+    def __init__(self, model: ModelSpec):
+        self.kinds = [layer.kind for layer in model.layers]
+        self.counts: dict[str, int] = {}
+        for k in self.kinds:
+            self.counts[k] = self.counts.get(k, 0) + 1
+        self.num_layers = len(self.kinds)
+        self.first_block = self.kinds.index("block") if "block" in self.kinds else 1
+        self.tied = sum(layer.tied_params for layer in model.layers if layer.kind == "head")
 
 
 def _replace(cand: Candidate, **kw) -> Candidate:
