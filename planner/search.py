@@ -357,7 +357,9 @@ def infeasible_message(search: Search) -> str:
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    from planner.report import human_bytes
+
+    return human_bytes(n)
 
 
 def _predicted(search: Search, scored: Scored, ev: Evaluation) -> Predicted:

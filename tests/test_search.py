@@ -1,0 +1,132 @@
+"""The search against brute force, pins, exit 3 and the CLI."""
+
+import json
+import math
+
+import pytest
+
+from planner.cli import main
+from planner.constraints import Constraints
+from planner.cost_model import lower_bound, memory_lower_bound
+from planner.errors import InfeasibleError
+from planner.model_sources import builtin_model
+from planner.placement import Placer, allowed_cuts, model_graph
+from planner.plan import Plan
+from planner.search import Search, candidates, find_plan
+from profiler.presets import preset_profile
+from tests.planner_brute import brute_search, small_cluster, small_model
+
+
+def _setup(memory_bytes, cluster="2x4xa100-40gb", blocks=4, **pins):
+    model = small_model(blocks)
+    cl = small_cluster(cluster, memory_bytes)
+    profile = preset_profile(model, cl, "fp32")
+    constraints = Constraints(**{**dict(global_batch_size=8, seq_len=64, dtype="fp32", top_k=2), **pins})
+    return model, cl, constraints, profile
+
+
+@pytest.mark.parametrize("memory_bytes,cluster,pins", [
+    (10**9, "2x4xa100-40gb", {}),
+    (2_000_000, "2x4xa100-40gb", {}),
+    (1_200_000, "4xa100-40gb", {"global_batch_size": 16}),
+])
+def test_search_equals_brute_force(memory_bytes, cluster, pins):
+    model, cl, constraints, profile = _setup(memory_bytes, cluster, **pins)
+    expected = brute_search(model, cl, constraints, profile)
+    plan = find_plan(model, cl, constraints, profile)
+    assert expected is not None
+    assert math.isclose(plan.predicted.iteration_time_s, expected, rel_tol=1e-7)
+    assert plan.predicted.peak_memory_bytes <= memory_bytes * (1 - constraints.memory_margin) * (1 + 1e-9)
+    Plan.from_dict(json.loads(plan.to_json()))
+
+
+@pytest.mark.parametrize("pins", [
+    {"pp": 2, "schedule": "gpipe"}, {"tp": 2, "zero": 0}, {"pp": 2, "schedule": "zero-bubble"},
+    {"pp": 2, "virtual_stages": 2, "schedule": "interleaved-1f1b"}, {"recompute": "full", "micro_batch_size": 2},
+])
+def test_never_worse_than_a_pinned_plan(pins):
+    model, cl, constraints, profile = _setup(2_000_000)
+    free = find_plan(model, cl, constraints, profile)
+    pinned = find_plan(model, cl, Constraints(**{**vars(constraints), **pins}), profile)
+    assert free.predicted.iteration_time_s <= pinned.predicted.iteration_time_s * (1 + 1e-9)
+    p = pinned.parallel
+    for key, value in pins.items():
+        attr = {"virtual_stages": "virtual_stages", "micro_batch_size": "micro_batch_size"}.get(key, key)
+        assert getattr(p, attr) == value
+    if pins.get("recompute") == "full":  # pinned recompute applies to every block
+        assert all(s.recompute_layers == sum(1 for k in model.layers[s.layers[0]:s.layers[1]] if k.kind == "block")
+                   for s in pinned.stages)
+
+
+def test_quick_bounds_equal_the_per_layer_bounds():
+    model, cl, constraints, profile = _setup(1_500_000)
+    search = Search(model, cl, constraints, profile)
+    for cand in list(candidates(model, cl, constraints, search.placer))[::7]:
+        P = search.problem(cand)
+        bound, ratio = search.bounds(cand)
+        assert math.isclose(bound, lower_bound(P), rel_tol=1e-9)
+        assert math.isclose(ratio, memory_lower_bound(P), rel_tol=1e-9) or min(ratio, memory_lower_bound(P)) > 1
+
+
+def test_stage_times_and_memory_keys():
+    model, cl, constraints, profile = _setup(10**9, pp=2)
+    plan = find_plan(model, cl, constraints, profile)
+    assert plan.parallel.pp == 2 and len(plan.stages) == 2 * plan.parallel.virtual_stages
+    for s in plan.stages:
+        assert {"forward", "backward", "recompute", "communication", "total"} <= set(s.predicted_time_s)
+        assert {"parameters", "gradients", "optimizer", "activations", "total"} <= set(s.predicted_memory_bytes)
+        t = s.predicted_time_s
+        assert t["total"] == pytest.approx(t["forward"] + t["backward"] + t["recompute"] + t["communication"])
+    assert plan.search.candidates > 0 and plan.search.solver
+
+
+def test_placement_puts_tp_inside_nodes():
+    cl = small_cluster("2x4xa100-40gb", 10**9)
+    placer = Placer(cl)
+    links = placer.links(pp=2, dp=2, tp=2, order=("pp", "dp", "tp"))
+    assert (links.tp, links.dp, links.pp) == ("intra_node", "intra_node", "inter_node")
+    links = placer.links(pp=2, dp=2, tp=2, order=("dp", "pp", "tp"))
+    assert (links.tp, links.dp, links.pp) == ("intra_node", "inter_node", "intra_node")
+    ranks = placer.place(2, 2, 2, ("dp", "pp", "tp")).ranks
+    assert ranks.shape == (2, 2, 2) and sorted(ranks.ravel().tolist()) == list(range(8))
+    assert ranks[1][0][0] == 2  # pipeline neighbours are next to each other
+
+
+def test_model_graph_cuts():
+    model = builtin_model("gpt2")
+    g = model_graph(model)
+    assert g.has_edge(0, len(model.layers) - 1)  # the tied head reads the embedding's weight
+    assert all(allowed_cuts(g))
+
+
+def test_infeasible_raises_with_nearest_candidate():
+    model, cl, constraints, profile = _setup(200_000, zero=1, recompute="none")
+    with pytest.raises(InfeasibleError) as exc:
+        find_plan(model, cl, constraints, profile)
+    msg = str(exc.value)
+    assert "nearest" in msg and "over the" in msg and "bytes" in msg and "pipeline rank" in msg
+    assert "--zero 3" in msg and "--recompute full" in msg and "more devices" in msg
+
+
+def test_cli_exit_3_message(capsys):
+    code = main(["llama3-70b", "--cluster", "8xa100-40gb", "--dp", "8", "--zero", "0"])
+    err = capsys.readouterr().err
+    assert code == 3
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("plan: error: no plan fits in memory")
+    assert "GiB" in err and "--zero 3" in err
+
+
+def test_cli_json_plan_validates(capsys):
+    code = main(["llama3-8b", "--cluster", "8xa100-80gb", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0
+    plan = Plan.from_dict(json.loads(out))
+    assert plan.world_size == 8 and plan.predicted.iteration_time_s > 0 and 0 < plan.predicted.mfu < 1
+    assert plan.placement is not None and len(plan.alternatives) <= 3
+
+
+def test_cli_human_output(capsys):
+    code = main(["tiny", "--cluster", "4xcpu", "--tp", "2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "tp=2" in out and "predicted: iteration" in out and "search:" in out
