@@ -66,3 +66,21 @@ def test_load_plan_bad_files(tmp_path):
     bad.write_text("[]")
     with pytest.raises(InputError, match="plan: expected an object"):
         load_plan(str(bad))
+
+
+def test_placement_round_trip_and_validation(tmp_path):
+    from planner.plan import Placement
+
+    plan = make_plan(pp=2, dp=2)
+    plan.placement = Placement(["dp", "pp", "tp"], [[[0], [2]], [[1], [3]]])
+    path = tmp_path / "plan.json"
+    save_plan(plan, str(path))
+    assert load_plan(str(path)) == plan
+    data = plan.to_dict()
+    data["placement"]["ranks"] = [[[0], [0]], [[1], [3]]]
+    with pytest.raises(InputError, match=r"plan\.placement\.ranks"):
+        Plan.from_dict(data)
+    data["placement"] = {"order": ["pp", "pp", "tp"], "ranks": [[[0], [2]], [[1], [3]]]}
+    with pytest.raises(InputError, match=r"plan\.placement\.order"):
+        Plan.from_dict(data)
+    assert "placement" not in make_plan().to_dict()  # optional: absent means row-major [pp, dp, tp]

@@ -1,0 +1,69 @@
+"""Planning speed: candidates considered, ILPs solved and seconds, as a table.
+
+    PYTHONPATH=. python benchmarks/plan_speed.py [--quick]
+
+Targets (issue "Planner"): gpt3-175b on 128x8xa100-80gb (global batch 1536, seq 2048) under 10 s,
+a 1T-parameter model on 3072 GPUs under 60 s. `search s` is find_plan's own time (model, cluster and
+profile are built before; importing torch for the preset profile is not counted); `total s` includes
+building the preset profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+
+from rich.console import Console
+from rich.table import Table
+
+from planner.cluster_spec import parse_cluster
+from planner.constraints import Constraints
+from planner.model_sources import builtin_model
+from planner.model_spec import ModelSpec
+from planner.search import find_plan
+from profiler.presets import preset_profile
+
+
+def model_1t() -> ModelSpec:
+    """The 1T-parameter GPT of Narayanan et al. SC'21 (Table 1): 128 layers, h=25600, 160 heads."""
+    base = builtin_model("gpt3-175b")
+    return replace(base, name="gpt-1t", hidden_size=25600, num_layers=128, num_heads=160, num_kv_heads=160,
+                   ffn_hidden_size=4 * 25600, head_dim=0, vocab_size=51200, layers=())
+
+
+CASES = [
+    ("llama3-8b", "8xa100-80gb", 16, 8192),
+    ("llama3-70b", "8x8xh100-80gb", 512, 8192),
+    ("gpt3-175b", "128x8xa100-80gb", 1536, 2048),
+    ("gpt-1t", "384x8xa100-80gb", 3072, 2048),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="only the two smaller cases")
+    args = parser.parse_args()
+    table = Table(title="plan speed (preset profiles)")
+    for col in ("model", "cluster", "GBS", "seq", "candidates", "ILPs", "search s", "us/candidate", "total s",
+                "plan", "iteration s", "MFU"):
+        table.add_column(col, justify="right")
+    for name, cluster_text, gbs, seq in CASES[:2] if args.quick else CASES:
+        start = time.perf_counter()
+        model = model_1t() if name == "gpt-1t" else builtin_model(name)
+        cluster = parse_cluster(cluster_text)
+        profile = preset_profile(model, cluster)
+        plan = find_plan(model, cluster, Constraints(global_batch_size=gbs, seq_len=seq), profile)
+        total = time.perf_counter() - start
+        s, p = plan.search, plan.parallel
+        ilps = s.solver.split("(")[1].split(" ILPs")[0] if "(" in s.solver else "?"
+        desc = f"tp{p.tp} pp{p.pp} dp{p.dp} z{p.zero} {p.schedule}" + (f" v{p.virtual_stages}" if p.virtual_stages > 1
+                                                                        else "") + f" b{p.micro_batch_size}"
+        table.add_row(name, cluster_text, str(gbs), str(seq), str(s.candidates), ilps, f"{s.seconds:.2f}",
+                      f"{s.seconds / max(1, s.candidates) * 1e6:.0f}", f"{total:.2f}", desc,
+                      f"{plan.predicted.iteration_time_s:.2f}", f"{plan.predicted.mfu:.1%}")
+    Console(width=170).print(table)
+
+
+if __name__ == "__main__":
+    main()
