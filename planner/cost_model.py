@@ -92,30 +92,29 @@ def pp_comm_time(profile, b: int, s: int, h: int, tp: int, dtype: str, sequence_
 
 
 def dp_sync_time(profile, params: float, dtype: str, dp: int, zero: int, link_class: str) -> float:
-    """Gradient synchronisation of `params` (already ÷tp) per iteration, once after the last
-    micro-batch (Li et al. VLDB'20, PyTorch DDP): all-reduce for ZeRO 0/1, reduce-scatter of gradients
-    + all-gather of updated parameters for ZeRO-2 (same volume, Rajbhandari et al. SC'20 §7), only the
-    reduce-scatter for ZeRO-3 (its parameter gathers are per micro-batch, `zero3_gather_time`)."""
-    if dp <= 1:
+    """Data-parallel traffic once per iteration for `params` (already ÷tp): ZeRO 0/1 all-reduce the
+    accumulated gradients after the last micro-batch (Li et al. VLDB'20, PyTorch DDP no_sync); ZeRO-2
+    all-gathers the updated parameter shards after the step (Rajbhandari et al. SC'20 §5.2); ZeRO-3 has
+    nothing left to do (its traffic is per micro-batch, `sharded_dp_time`)."""
+    if dp <= 1 or zero >= 3:
         return 0.0
     nbytes = params * DTYPE_BYTES[dtype]
-    if zero <= 1:
-        t = profile.collective_time("all_reduce", nbytes, dp, link_class)
-    elif zero == 2:
-        t = (profile.collective_time("reduce_scatter", nbytes, dp, link_class)
-             + profile.collective_time("all_gather", nbytes, dp, link_class))
-    else:
-        t = profile.collective_time("reduce_scatter", nbytes, dp, link_class)
+    op = "all_reduce" if zero <= 1 else "all_gather"
+    return profile.collective_time(op, nbytes, dp, link_class) * profile.correction("dp_comm")
+
+
+def sharded_dp_time(profile, params: float, dtype: str, dp: int, zero: int, link_class: str) -> float:
+    """Data-parallel traffic every micro-batch, overlapped with its compute (`evaluate`): with sharded
+    gradients (ZeRO ≥ 2) each backward reduce-scatters its gradients (Rajbhandari et al. SC'20 §5.2; FSDP2
+    with gradient accumulation), and ZeRO-3 / FSDP also all-gathers a layer's parameters before its
+    forward and again before its backward (SC'20 §5.3; FSDP2 reshards after forward)."""
+    if dp <= 1 or zero < 2:
+        return 0.0
+    nbytes = params * DTYPE_BYTES[dtype]
+    t = profile.collective_time("reduce_scatter", nbytes, dp, link_class)
+    if zero >= 3:
+        t += 2.0 * profile.collective_time("all_gather", nbytes, dp, link_class)
     return t * profile.correction("dp_comm")
-
-
-def zero3_gather_time(profile, params: float, dtype: str, dp: int, link_class: str) -> float:
-    """ZeRO-3 / FSDP all-gathers a layer's parameters before its forward and again before its backward,
-    every micro-batch (Rajbhandari et al. SC'20 §5.3; FSDP2 reshards after forward)."""
-    if dp <= 1:
-        return 0.0
-    nbytes = params * DTYPE_BYTES[dtype]
-    return 2.0 * profile.collective_time("all_gather", nbytes, dp, link_class) * profile.correction("dp_comm")
 
 
 def optimizer_time(profile, params: float, dp: int, zero: int) -> float:
@@ -191,7 +190,7 @@ class StageProblem:
 
     Per layer l: `time` = forward + backward + TP comm per micro-batch; `fwd`, `bwd`; `act` bytes per
     micro-batch without recompute; `state` bytes of parameters + gradients + optimizer; `opt` and `dp`
-    seconds per iteration; `gather` ZeRO-3 seconds per micro-batch. Per block: `rec_time` and
+    seconds per iteration; `gather` sharded-DP (ZeRO ≥ 2) seconds per micro-batch. Per block: `rec_time` and
     `rec_saving` when recomputed. Per stage: `boundary` PP comm per micro-batch and `rank`. Per rank:
     `inflight` multiplier and `fixed` bytes (tied copy, ZeRO-3 workspace).
     """
@@ -217,7 +216,7 @@ class StageProblem:
     weight: float  # m + bubble micro-batches
     bubble: float  # bubble micro-batches
     m: int
-    unhidden: float  # fraction of gradient sync / ZeRO-3 gathers that can never overlap (last bucket)
+    unhidden: float  # share of DP traffic that can never overlap (the last bucket)
     recompute: str  # "free": 0..n per stage; "none"; "all"
     cuts: list[bool] = field(default_factory=list)  # cuts[l]: a stage may start at layer l (l ≥ 1)
 
@@ -289,7 +288,7 @@ def evaluate(problem: StageProblem, bounds: list[int], recompute: list[int],
     [bounds[s], bounds[s+1]) and recomputes `recompute[s]` of its blocks.
 
     iteration = (m + bubble) · max_rank τ_rank + max_rank tail_rank, with τ_rank the rank's time per
-    micro-batch (all its stages, plus the ZeRO-3 gathers it cannot hide: max(gather − compute,
+    micro-batch (all its stages, plus the sharded-DP traffic it cannot hide: max(gather − compute,
     unhidden · gather), prefetching across the rank's layers) and tail_rank = optimizer + exposed
     gradient sync, exposed = max(sync − one micro-batch of the rank's backward, unhidden · sync) (the
     last bucket cannot overlap)."""
@@ -387,7 +386,7 @@ class Terms:
                          lambda: pp_comm_time(self.profile, b, self.s, h, tp, self.dtype, tp > 1, link))
 
     def per_layer(self, tp: int, dp: int, zero: int, link: str) -> tuple[list, list, list, list]:
-        """(state bytes, optimizer s, gradient sync s, ZeRO-3 gather s) of every layer."""
+        """(state bytes, optimizer s, per-iteration DP sync s, per-micro-batch sharded DP s) of every layer."""
         def make():
             pb, gb, ob = state_bytes_per_param(self.dtype, zero, dp)
             by_params: dict[int, tuple] = {}
@@ -398,7 +397,7 @@ class Terms:
                     by_params[layer.params] = (
                         w * (pb + gb + ob), optimizer_time(self.profile, w, dp, zero),
                         dp_sync_time(self.profile, w, self.dtype, dp, zero, link),
-                        zero3_gather_time(self.profile, w, self.dtype, dp, link) if zero >= 3 else 0.0)
+                        sharded_dp_time(self.profile, w, self.dtype, dp, zero, link))
                 for lst, value in zip(out, by_params[layer.params]):
                     lst.append(value)
             return out
