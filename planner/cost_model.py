@@ -443,24 +443,47 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
     )
 
 
+def least_recompute(left: list[float], inflight: list[float], state: float, act: float, saving: float,
+                    blocks: int) -> float:
+    """Fewest recomputed blocks (fractional: a relaxation, so a lower bound) that let `blocks` blocks of
+    `state` bytes and `act` activation bytes per in-flight micro-batch fit in the bytes `left` on each
+    rank. A rank holds left/c0 blocks free (c0 = state + k·act); beyond that each block costs
+    c0/(k·saving) recomputes, up to left/c1 (c1 = state + k·(act − saving)); cheapest ranks fill first."""
+    free, extra = 0.0, []
+    for x, k in zip(left, inflight):
+        x = max(0.0, x)
+        c0, c1 = state + k * act, state + k * (act - saving)
+        free += x / c0 if c0 > 0 else float("inf")
+        if k * saving > 0 and c1 > 0:
+            extra.append((c0 / (k * saving), x / c1 - x / c0))
+    need = blocks - free
+    rec = 0.0
+    for cost, room in sorted(extra):
+        if need <= 0:
+            break
+        take = min(room, need)
+        rec += take * cost
+        need -= take
+    return min(float(blocks), rec)
+
+
 def min_recomputed_blocks(problem: StageProblem) -> float:
-    """Fewest recomputed blocks any partition within memory needs (a relaxation): a block on rank r
-    costs state + k_r·(act − ρ·saving) ≥ state + k_min·(act − ρ·saving), and all blocks must fit in
-    the memory the ranks have left after their fixed layers."""
+    """Fewest recomputed blocks any partition within memory needs (`least_recompute` with the cheapest
+    block and the memory each rank has left after the embedding and head)."""
     P = problem
     if P.recompute == "none" or P.rec_saving <= 0 or not math.isfinite(P.mem_limit):
         return 0.0
     blocks = [i for i, k in enumerate(P.kinds) if k == "block"]
+    if not blocks:
+        return 0.0
     first, last = P.rank[0], P.rank[-1]
-    first_block = blocks[0] if blocks else 1
     left = [P.mem_limit - f for f in P.fixed]
     for i, k in enumerate(P.kinds):
         if k != "block":
-            r = first if i < first_block else last
+            r = first if i < blocks[0] else last
             left[r] -= P.state[i] + P.inflight[r] * P.act[i]
-    k_min = min(P.inflight)
-    need = sum(P.state[i] + k_min * P.act[i] for i in blocks) - sum(left)
-    return min(float(len(blocks)), max(0.0, need / (k_min * P.rec_saving)))
+    return least_recompute(left, P.inflight, min(P.state[i] for i in blocks), min(P.act[i] for i in blocks),
+                           P.rec_saving, len(blocks))
 
 
 def lower_bound(problem: StageProblem) -> float:

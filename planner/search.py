@@ -26,6 +26,7 @@ from planner.cost_model import (
     build_problem,
     evaluate,
     in_flight,
+    least_recompute,
     model_flops_per_iteration,
     state_bytes_per_param,
     zb_ratio,
@@ -187,9 +188,8 @@ class Search:
         if recompute == "all":
             work += rec_time * blocks
         elif recompute == "free" and rec_saving > 0 and blocks:
-            k_min = min(inflight)
-            need = agg["block_state"] + k_min * act_blk * blocks - sum(left)
-            work += rec_time * math.ceil(min(float(blocks), max(0.0, need / (k_min * rec_saving))) - 1e-9)
+            least = least_recompute(left, inflight, agg["block_state_min"], act_blk, rec_saving, blocks)
+            work += rec_time * math.ceil(least - 1e-9)
         bubble = bubble_micro_batches(cand.schedule, pp, cand.v, zb_ratio(fsum, gsum))
         tau = max(work / pp, tmax)
         tail = (agg["opt"] + max(agg["dp"] - gsum, unhidden * agg["dp"])) / pp
