@@ -195,6 +195,16 @@ class Search:
         tail = (agg["opt"] + max(agg["dp"] - gsum, unhidden * agg["dp"])) / pp
         return (cand.m + bubble) * tau + tail, ratio
 
+    def demand(self, cand: Candidate) -> float:
+        """Average memory a rank needs at best (maximum recompute, perfect balance) over the usable
+        memory: how far a pruned candidate is from fitting, to pick the nearest one for exit 3."""
+        problem = self.problem(cand)
+        saving = problem.rec_saving if problem.recompute != "none" else 0.0
+        k = min(problem.inflight)
+        need = sum(problem.fixed) + sum(problem.state) + sum(
+            (problem.act[i] - (saving if kind == "block" else 0.0)) * k for i, kind in enumerate(problem.kinds))
+        return need / (problem.pp * self.mem_limit)
+
     def _layer_sums(self, tp: int, dp: int, zero: int, link: str) -> dict:
         key = ("sums", tp, dp, zero, link)
         if key not in self.terms.memo:
@@ -229,7 +239,7 @@ class Search:
             self.considered += 1
             bound, ratio = self.bounds(cand)
             if ratio > 1.0:
-                self.memory_pruned.append((ratio, index, cand))
+                self.memory_pruned.append((self.demand(cand), index, cand))
                 continue
             bounded.append((bound, index, cand))
         bounded.sort(key=lambda item: (item[0], item[1]))
@@ -265,11 +275,16 @@ class Search:
         """The candidate closest to fitting: the few with the best memory bounds, each solved for the
         least memory over the limit."""
         best = None
-        for _, _, cand in sorted(self.memory_pruned, key=lambda t: (t[0], t[1]))[:limit]:
-            problem = self.problem(cand)
+        seen = set()
+        for _, _, cand in sorted(self.memory_pruned, key=lambda t: (t[0], t[1])):
             if cand.recompute == "none" and not cand.recompute_pinned:
                 cand = _replace(cand, recompute="full")
-                problem = self.problem(cand)
+            if cand in seen:
+                continue
+            seen.add(cand)
+            if len(seen) > limit:
+                break
+            problem = self.problem(cand)
             sol = self.partition.min_memory(problem)
             if sol is not None and (best is None or sol.objective < best[2].objective):
                 best = (cand, problem, sol)
@@ -341,7 +356,9 @@ def infeasible_message(search: Search) -> str:
         hints.append(f"a smaller --memory-margin than {c.memory_margin}")
     hints.append(f"more devices (model state alone is {_gib(state)} at 16 B/param: at least "
                  f"{need_devices} devices of {_gib(dev.memory_bytes)} with ZeRO-3)")
-    fit = "; to fit try " + ", ".join(hints)
+    tried = [name for name, pin in (("ZeRO level", c.zero), ("recompute mode", c.recompute),
+                                    ("micro-batch size", c.micro_batch_size)) if pin is None]
+    fit = "; to fit try " + ", ".join(hints) + (f" (every {', '.join(tried)} was tried)" if tried else "")
     if near is None:
         return (f"no feasible plan: no parallel configuration of {search.model.name} on {search.cluster.name} "
                 f"satisfies the constraints (searched {search.considered} candidates){fit}")
