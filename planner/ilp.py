@@ -68,12 +68,29 @@ def _silence_highs_banner() -> None:
     _BANNER_SILENCED = True
 
 
+# A safety net for the large binary assignment ILP (many stages over many non-identical layers): past it
+# the best solution found is used and counted in `time_limited` (the search statistics report it).
+TIME_LIMIT_S = 20.0
+TIME_LIMITED = [0]
+
+
 def _solver(prefer: str | None = None):
     name = prefer or solver_name()
     if name == "HiGHS":
         _silence_highs_banner()
-        return pulp.HiGHS(msg=False, gapRel=0.0, gapAbs=1e-9, threads=1)
-    return pulp.PULP_CBC_CMD(msg=False, gapRel=0.0, gapAbs=1e-9, threads=1)
+        return pulp.HiGHS(msg=False, gapRel=0.0, gapAbs=1e-9, threads=1, timeLimit=TIME_LIMIT_S)
+    return pulp.PULP_CBC_CMD(msg=False, gapRel=0.0, gapAbs=1e-9, threads=1, timeLimit=TIME_LIMIT_S)
+
+
+def _solved(prob: pulp.LpProblem, status: int) -> bool:
+    """Optimal, or stopped by the time limit with an integer solution in hand."""
+    if pulp.LpStatus[status] == "Optimal" and prob.sol_status == pulp.LpSolutionOptimal:
+        return True
+    if prob.sol_status == pulp.LpSolutionIntegerFeasible or pulp.LpStatus[status] in ("Optimal", "Not Solved") \
+            and all(v.value() is not None for v in prob.variables()):
+        TIME_LIMITED[0] += 1
+        return pulp.LpStatus[status] != "Infeasible"
+    return False
 
 
 class Solution:
@@ -187,7 +204,7 @@ def solve_assignment(P: StageProblem, solver: str | None = None, min_memory: boo
     ranks = rank_of_stages(P)
     _rank_rows(prob, P, lambda r: _add([stage_pieces[s] for s in ranks[r]]), min_memory)
     status = prob.solve(_solver(solver))
-    if pulp.LpStatus[status] != "Optimal":
+    if not _solved(prob, status):
         return None
     stage_of = [next(s for s in range(S) if (lyr, s) in x and x[lyr, s].value() > 0.5) for lyr in range(N)]
     bounds = [0] + [lyr for lyr in range(1, N) if stage_of[lyr] != stage_of[lyr - 1]] + [N]
@@ -229,7 +246,7 @@ def solve_counts(P: StageProblem, solver: str | None = None, min_memory: bool = 
 
     _rank_rows(prob, P, rank_expr, min_memory)
     status = prob.solve(_solver(solver))
-    if pulp.LpStatus[status] != "Optimal":
+    if not _solved(prob, status):
         return None
     counts = [0] * S
     recompute = [0] * S

@@ -311,21 +311,28 @@ def _replace(cand: Candidate, **kw) -> Candidate:
 
 
 def find_plan(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints, profile=None,
-              progress: Progress | None = None, solver: str | None = None) -> Plan:
-    """The plan with the least predicted iteration time that fits every device (exit 3 otherwise)."""
+              progress: Progress | None = None, solver: str | None = None, force_assignment: bool = False) -> Plan:
+    """The plan with the least predicted iteration time that fits every device (exit 3 otherwise).
+    `solver`: "HiGHS" or "CBC" (default: HiGHS when highspy is installed); `force_assignment`: use the
+    binary layer → stage ILP even where the per-rank count ILP is exact (identical blocks)."""
     if profile is None:
         from profiler.source import profile_for
 
         profile = profile_for(model, cluster, constraints.dtype)
+    from planner import ilp
+
+    limited = ilp.TIME_LIMITED[0]
     start = time.perf_counter()
-    search = Search(model, cluster, constraints, profile, solver)
+    search = Search(model, cluster, constraints, profile, solver, force_assignment)
     results = search.run(1 + constraints.top_k, progress)
     seconds = time.perf_counter() - start
     if not results:
         raise InfeasibleError(infeasible_message(search))
     stats = SearchStats(candidates=search.considered, feasible=search.feasible, seconds=round(seconds, 4),
                         solver=f"{search.partition.solver} via PuLP ({search.partition.solves} ILPs, "
-                               f"{search.partition.hits} cache hits)")
+                               f"{search.partition.hits} cache hits"
+                               + (f", {ilp.TIME_LIMITED[0] - limited} stopped at the {ilp.TIME_LIMIT_S:.0f} s limit"
+                                  if ilp.TIME_LIMITED[0] > limited else "") + ")")
     return to_plan(search, results, stats)
 
 
