@@ -109,7 +109,23 @@ def _finish(problem: StageProblem, bounds: list[int], recompute: list[int]) -> S
     ev = evaluate(problem, bounds, recompute)
     if not ev.feasible:
         return None
+    if problem.recompute == "free":
+        recompute = _trim_recompute(problem, bounds, recompute, ev.iteration_time)
     return Solution(bounds, recompute, ev.iteration_time)
+
+
+def _trim_recompute(P: StageProblem, bounds: list[int], recompute: list[int], objective: float) -> list[int]:
+    """The min-max objective does not care about recompute on ranks that are not the bottleneck; drop
+    every recomputed block that neither memory nor the objective needs (same optimum, less work)."""
+    recompute = list(recompute)
+    for s in range(len(recompute)):
+        while recompute[s] > 0:
+            recompute[s] -= 1
+            ev = evaluate(P, bounds, recompute)
+            if not ev.feasible or ev.iteration_time > objective * (1 + 1e-12):
+                recompute[s] += 1
+                break
+    return recompute
 
 
 def _rank_rows(prob: pulp.LpProblem, P: StageProblem, rank_expr, min_memory: bool) -> None:
