@@ -158,7 +158,9 @@ def _stage_table(plan: Plan, capacity: float) -> Table:
     """One row per stage; the rank column only when ranks hold several stages, ckpt only with recompute."""
     with_rank = plan.parallel.virtual_stages > 1
     with_ckpt = any(s.recompute_layers for s in plan.stages)
-    table = Table(title="stages: predicted time per iteration, memory per device"
+    longest = max((s.predicted_time_s.get("total", 0.0) for s in plan.stages), default=0.0)
+    scale, unit = (1.0, "s") if longest >= 10 else (1e3, "ms")
+    table = Table(title=f"stages: predicted {unit} per iteration, memory per device"
                   + (" (ckpt = layers recomputed)" if with_ckpt else ""),
                   box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0), title_justify="left")
     cols = ["stage"] + (["rank"] if with_rank else []) + ["layers"] + (["ckpt"] if with_ckpt else []) \
@@ -169,7 +171,7 @@ def _stage_table(plan: Plan, capacity: float) -> Table:
         t, mem = s.predicted_time_s, s.predicted_memory_bytes.get("total", 0.0)
         row = [str(s.stage)] + ([str(s.pp_rank)] if with_rank else []) + [layer_span(plan.model, *s.layers)] \
             + ([str(s.recompute_layers)] if with_ckpt else []) \
-            + [_secs(t.get(k, 0.0)) for k in ("forward", "backward", "recompute", "communication", "total")]
+            + [f"{t.get(k, 0.0) * scale:.4g}" for k in ("forward", "backward", "recompute", "communication", "total")]
         table.add_row(*row, Text(f"{human_bytes(mem)} {_bar(mem, capacity)}", style="red" if mem > capacity else ""))
     return table
 
