@@ -31,22 +31,25 @@ def text_rows(timeline: Timeline, width: int = 80) -> list[tuple[str, str]]:
     span = timeline.makespan or 1.0
     rows = []
     for r in range(timeline.pp):
-        compute = timeline.rank_events(r, compute_only=True)
+        compute = sorted(timeline.rank_events(r, compute_only=True), key=lambda e: e.start)
         comm = [e for e in timeline.rank_events(r) if e.kind not in COMPUTE_KINDS]
-        cells = []
+        cells, first = [], 0
         for c in range(width):
             lo, hi = span * c / width, span * (c + 1) / width
-            best, best_overlap = None, 0.0
-            for e in compute:
+            while first < len(compute) and compute[first].end <= lo:  # events on a rank never overlap
+                first += 1
+            best, best_overlap, busy = None, 0.0, 0.0
+            for e in compute[first:]:
+                if e.start >= hi:
+                    break
                 overlap = min(hi, e.end) - max(lo, e.start)
+                busy += overlap
                 if overlap > best_overlap:
                     best, best_overlap = e, overlap
-            if best is not None and best_overlap >= (hi - lo) / 2:
+            if best is not None and busy >= (hi - lo) / 2:  # a cell is busy when compute fills half of it
                 cells.append(GLYPH[best.kind])
-            elif best is None and any(min(hi, e.end) > max(lo, e.start) for e in comm):
+            elif any(min(hi, e.end) > max(lo, e.start) for e in comm):
                 cells.append(WAIT)
-            elif best is not None:
-                cells.append(GLYPH[best.kind])
             else:
                 cells.append(IDLE)
         stages = ",".join(str(s) for s in _stages_of(timeline, r))
@@ -90,14 +93,22 @@ def write_png(timeline: Timeline, path: str, title: str = "") -> None:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     scale, unit = _time_unit(timeline.makespan)
-    for e in timeline.events:
-        y = pp - 1 - e.rank
-        if e.kind in COMPUTE_KINDS:
-            ax.broken_barh([(e.start * scale, e.duration * scale)], (y - 0.4, 0.7), facecolors=COLOR[e.kind],
-                           edgecolors="white", linewidth=0.4)
-            _label(ax, e, y, scale, timeline)
+    spans: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for e in timeline.events:  # one bar collection per (rank, kind): thousands of events stay fast
+        kind = e.kind if e.kind in COMPUTE_KINDS else "p2p"
+        spans.setdefault((e.rank, kind), []).append((e.start * scale, e.duration * scale))
+    thin = len(timeline.events) > 2000
+    for (rank, kind), bars in spans.items():
+        y = pp - 1 - rank
+        if kind == "p2p":
+            ax.broken_barh(bars, (y - 0.45, 0.1), facecolors=COLOR["p2p"])
         else:
-            ax.broken_barh([(e.start * scale, e.duration * scale)], (y - 0.45, 0.1), facecolors=COLOR["p2p"])
+            ax.broken_barh(bars, (y - 0.4, 0.7), facecolors=COLOR[kind], edgecolors="white",
+                           linewidth=0 if thin else 0.4)
+    if len(timeline.events) <= 600:
+        for e in timeline.events:
+            if e.kind in COMPUTE_KINDS:
+                _label(ax, e, pp - 1 - e.rank, scale, timeline)
     ax.set_yticks(range(pp))
     ax.set_yticklabels([f"rank {r}" for r in reversed(range(pp))])
     ax.set_xlim(0, timeline.makespan * scale * 1.01 or 1)
@@ -106,9 +117,9 @@ def write_png(timeline: Timeline, path: str, title: str = "") -> None:
     head = title or f"{timeline.schedule}, pp={pp}, v={timeline.virtual_stages}, m={timeline.num_micro_batches}"
     ax.set_title(f"{head}: iteration {timeline.makespan * scale:.3g} {unit}, bubble {timeline.bubble_fraction:.1%}")
     kinds = _kinds_present(timeline) + (["p2p"] if any(e.kind not in COMPUTE_KINDS for e in timeline.events) else [])
-    ax.legend(handles=[Patch(color=COLOR[k], label=LABEL[k]) for k in kinds], loc="upper center",
-              bbox_to_anchor=(0.5, -0.25 if pp > 2 else -0.45), ncol=len(kinds), frameon=False, fontsize=8)
-    fig.tight_layout()
+    fig.legend(handles=[Patch(color=COLOR[k], label=LABEL[k]) for k in kinds], loc="lower center",
+               ncol=len(kinds), frameon=False, fontsize=8)
+    fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, 1))
     try:
         fig.savefig(path)
     except OSError as exc:

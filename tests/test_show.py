@@ -146,3 +146,14 @@ def test_show_bad_input_is_one_line(argv, message, tmp_path, capsys):
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("plan: error: ") and message in lines[0], err
+
+
+def test_pareto_front_and_png(tmp_path):
+    from planner.pareto import pareto_front, write_pareto
+
+    cands = [(1.0, 50 * GIB, "a"), (1.2, 40 * GIB, "b"), (1.1, 60 * GIB, "c"), (2.0, 30 * GIB, "d"),
+             (2.5, 35 * GIB, "e")]
+    assert [c[2] for c in pareto_front(cands)] == ["a", "b", "d"]
+    out = tmp_path / "pareto.png"
+    write_pareto(cands, cands[0], str(out), capacity_bytes=80 * GIB)
+    assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 10_000
