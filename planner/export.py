@@ -212,6 +212,8 @@ def _toml(value: object) -> str:
         return str(value)
     if isinstance(value, str):
         return json.dumps(value)
+    if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+        return "[\n" + "".join(f"  {_toml(v)},\n" for v in value) + "]"  # one stage per line
     if isinstance(value, list):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
     raise TypeError(f"cannot write {type(value).__name__} as TOML")

@@ -46,7 +46,9 @@ def main(argv: Sequence[str]) -> int:
     if width < 60:
         raise InputError(f"--width: expected at least 60 columns, got {width}")
     timeline = _timeline(plan)
-    Console(width=width, highlight=False).print(render(plan, timeline, width), end="")
+    console = Console(width=width, highlight=False)
+    for part in summary(plan, timeline, width):
+        console.print(part)
     if args.timeline:
         write_png(timeline, args.timeline, title=_title(plan))
         print(f"timeline written to {args.timeline}")

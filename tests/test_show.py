@@ -130,6 +130,7 @@ def test_show_as_a_subprocess(tmp_path):
                           env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "rank 3 (stage 3,4)" in proc.stdout  # ZBV: rank 3 holds the two middle stages of the V
+    assert "mesh [pp, dp, tp] = [4, 4, 1]" in proc.stdout  # printed as text, not rich markup
 
 
 @pytest.mark.parametrize("argv,message", [
