@@ -100,6 +100,9 @@ def _megatron_pipeline(plan: Plan, warn: Callable[[str], None]) -> list[tuple[st
         warn(f"pipeline schedule zero-bubble: Megatron-LM has no zero-bubble schedule; exported as "
              f"{'interleaved 1F1B' if p.virtual_stages > 1 else '1F1B'} with looped stage placement")
     if p.pp == 1:
+        if p.virtual_stages > 1:
+            warn(f"{p.virtual_stages} virtual stages with pp=1: Megatron-LM interleaves only across pipeline "
+                 "ranks; exported without virtual stages")
         return []
     counts = [len(_blocks(plan, *s.layers)) for s in plan.stages]
     even = plan.model.num_layers // len(plan.stages)

@@ -46,6 +46,8 @@ def main(argv: Sequence[str]) -> int:
     if width < 60:
         raise InputError(f"--width: expected at least 60 columns, got {width}")
     timeline = _timeline(plan)
+    if args.timeline and timeline is None:
+        raise InputError("--timeline: the plan's stages carry no forward/backward times to draw a timeline from")
     console = Console(width=width, highlight=False)
     for part in summary(plan, timeline, width):
         console.print(part)
@@ -62,11 +64,15 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _timeline(plan: Plan) -> Timeline:
+def _timeline(plan: Plan) -> Timeline | None:
+    """The simulated iteration, or None when the plan's stages carry no times or the schedule cannot
+    be simulated (the summary then says so instead of drawing)."""
+    if not any(s.predicted_time_s.get(k, 0.0) for s in plan.stages for k in ("forward", "backward")):
+        return None
     try:
         return plan_timeline(plan)
-    except ValueError as exc:
-        raise InputError(f"plan.parallel: cannot simulate the pipeline schedule: {exc}") from None
+    except ValueError:
+        return None
 
 
 def _title(plan: Plan) -> str:
@@ -83,7 +89,7 @@ def render(plan: Plan, timeline: Timeline | None = None, width: int = 100) -> st
     return buf.getvalue()
 
 
-def summary(plan: Plan, timeline: Timeline, width: int) -> list:
+def summary(plan: Plan, timeline: Timeline | None, width: int) -> list:
     p, pred, dev = plan.parallel, plan.predicted, plan.cluster.device
     cap = dev.memory_bytes
     out: list = [
@@ -96,16 +102,21 @@ def summary(plan: Plan, timeline: Timeline, width: int) -> list:
         Text(""),
         _stage_table(plan, cap),
         Text(f"predicted: iteration {_secs(pred.iteration_time_s)}, {pred.tokens_per_s:,.0f} tokens/s, "
-             f"MFU {pred.mfu:.1%}, bubble {pred.bubble_fraction:.1%} (timeline below: "
-             f"{timeline.bubble_fraction:.1%}), peak memory {human_bytes(pred.peak_memory_bytes)} of "
-             f"{human_bytes(cap)} ({pred.peak_memory_bytes / cap:.0%})"),
+             f"MFU {pred.mfu:.1%}, bubble {pred.bubble_fraction:.1%}"
+             + (f" (timeline below: {timeline.bubble_fraction:.1%})" if timeline else "")
+             + f", peak memory {human_bytes(pred.peak_memory_bytes)} of {human_bytes(cap)} "
+             f"({pred.peak_memory_bytes / cap:.0%})"),
         Text(""),
-        Text(f"pipeline timeline of one iteration ({p.schedule}, {p.num_micro_batches} micro-batches, simulated "
-             f"from the stage times: {_secs(timeline.makespan)})", style="bold"),
     ]
-    label_width = max(len(f"rank {r} (stage {','.join('0' * 3 for _ in range(p.virtual_stages))})")
-                      for r in range(p.pp))
-    out.append(render_text(timeline, width=max(20, width - label_width - 6)))
+    if timeline is None:
+        out.append(Text("no pipeline timeline: the stages carry no forward/backward times, or the schedule "
+                        "cannot be simulated"))
+    else:
+        out.append(Text(f"pipeline timeline of one iteration ({p.schedule}, {p.num_micro_batches} micro-batches, "
+                        f"simulated from the stage times: {_secs(timeline.makespan)})", style="bold"))
+        label_width = max(len(f"rank {r} (stage {','.join('0' * 3 for _ in range(p.virtual_stages))})")
+                          for r in range(p.pp))
+        out.append(render_text(timeline, width=max(20, width - label_width - 6)))
     out += why_not(plan)
     s = plan.search
     if s.candidates or s.solver:

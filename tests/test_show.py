@@ -158,3 +158,14 @@ def test_pareto_front_and_png(tmp_path):
     out = tmp_path / "pareto.png"
     write_pareto(cands, cands[0], str(out), capacity_bytes=80 * GIB)
     assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 10_000
+
+
+def test_show_without_stage_times_says_so(tmp_path, capsys):
+    plan = tiny_plan()
+    for s in plan.stages:
+        s.predicted_time_s = {}
+    assert "no pipeline timeline: the stages carry no forward/backward times" in render(plan, width=100)
+    path = tmp_path / "plan.json"
+    save_plan(plan, str(path))
+    assert main(["show", str(path), "--timeline", str(tmp_path / "t.png")]) == 2
+    assert "--timeline: the plan's stages carry no forward/backward times" in capsys.readouterr().err
