@@ -88,10 +88,12 @@ def _op_runner(op: str, nbytes: int, group: dist.ProcessGroup, ranks: list[int],
         return lambda: dist.all_reduce(buf, group=group)
     if op == "all_gather":
         out, inp = torch.empty(numel, device=device), torch.ones(numel // n, device=device)
-        return lambda: dist.all_gather_into_tensor(out, inp, group=group)
+        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        return lambda: gather(out, inp, group=group)
     if op == "reduce_scatter":
         out, inp = torch.empty(numel // n, device=device), torch.ones(numel, device=device)
-        return lambda: dist.reduce_scatter_tensor(out, inp, group=group)
+        scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+        return lambda: scatter(out, inp, group=group)
     if op == "send_recv":
         buf = torch.ones(numel, device=device)
         a, b = ranks[0], ranks[1]

@@ -209,6 +209,16 @@ def _run_ranks(cfg: MeasureConfig) -> dict:
 def measure_memory(cfg: MeasureConfig) -> tuple[list, list]:
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device_kind == "cuda" else torch.device("cpu")
     memory, state = [], []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # byte counts do not depend on threads; a loaded host makes many threads slow
+    try:
+        _memory_points(cfg, device, memory, state)
+    finally:
+        torch.set_num_threads(threads)
+    return memory, state
+
+
+def _memory_points(cfg: MeasureConfig, device: torch.device, memory: list, state: list) -> None:
     for point in grid(cfg.micro_batch_sizes, cfg.seq_lens, cfg.tps):
         modes = RECOMPUTE_MODES if point.kind == "block" else ("none",)
         for mode in modes:
@@ -217,7 +227,6 @@ def measure_memory(cfg: MeasureConfig) -> tuple[list, list]:
     for kind in ("embedding", "block", "head"):
         for tp in cfg.tps if kind != "embedding" else [1]:
             state.append(measure_state(cfg.model, kind, tp, cfg.dtype, device))
-    return memory, state
 
 
 def measure_profile(cfg: MeasureConfig) -> Profile:

@@ -71,17 +71,16 @@ def measure_activations(spec: ModelSpec, kind: str, b: int, s: int, tp: int, dty
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     counter, out = saved_bytes(lambda c: forward(case, x, recompute, on_kept=c.add_all), case.parameters())
-    allocated = 0.0
+    allocated = peak = 0.0
     if cuda:
         torch.cuda.synchronize()
         grown = torch.cuda.memory_allocated(device) - before
         # the output is allocated but only counts as this layer's activation if it was saved
         out_ptr = out.untyped_storage().data_ptr()
         allocated = float(grown - (0 if out_ptr in counter.storages else out.untyped_storage().nbytes()))
-        peak = torch.cuda.max_memory_allocated(device) - before
-        allocated = min(allocated, float(peak))
+        peak = float(torch.cuda.max_memory_allocated(device) - before)  # + transient workspace
     sample = MemorySample(kind, b, s, tp, recompute, float(counter.bytes), saved_tensors=counter.count,
-                          allocated_bytes=max(0.0, allocated))
+                          allocated_bytes=max(0.0, allocated), peak_bytes=max(0.0, peak))
     del out, counter
     return sample
 

@@ -73,6 +73,7 @@ class MemorySample:
     activation_bytes: float
     saved_tensors: int = 0  # distinct storages saved for backward (activation_bytes is their total size)
     allocated_bytes: float = 0.0  # CUDA cross-check: memory_allocated growth over the forward (0 on CPU)
+    peak_bytes: float = 0.0  # CUDA: max_memory_allocated over the forward, above the start (0 on CPU)
 
     @classmethod
     def from_dict(cls, data: dict, path: str) -> "MemorySample":
@@ -80,7 +81,7 @@ class MemorySample:
         return cls(f.str("kind", choices=LAYER_KINDS), f.int("micro_batch_size", min=1), f.int("seq_len", min=1),
                    f.int("tp", min=1), f.str("recompute", choices=RECOMPUTE_MODES),
                    f.float("activation_bytes", min=0.0), f.int("saved_tensors", min=0, default=0),
-                   f.float("allocated_bytes", min=0.0, default=0.0))
+                   f.float("allocated_bytes", min=0.0, default=0.0), f.float("peak_bytes", min=0.0, default=0.0))
 
 
 @dataclass
