@@ -38,7 +38,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-degrees", type=positive_int, nargs="+", metavar="T",
                    help="shard shapes to measure (default: powers of two up to the node size that divide the heads)")
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed passes per point (default: 2)")
-    p.add_argument("--repeats", type=positive_int, default=5, metavar="N", help="timed passes per point (default: 5)")
+    p.add_argument("--repeats", type=positive_int, default=5, metavar="N",
+                   help="timed passes per point at least (default: 5; cheap points repeat up to 25 within 0.2 s)")
     p.add_argument("--max-message-size", type=byte_size, default=256 * 1024**2, metavar="SIZE",
                    help="largest collective message (default: 256MiB; sizes from 4KiB by factors of 4)")
     p.add_argument("--threads-per-rank", type=positive_int, metavar="N",
@@ -105,7 +106,7 @@ def _measure_or_cached(args: argparse.Namespace, model, cluster):
     from profiler.measure import default_config, device_name, measure_profile
 
     cfg = default_config(model, cluster, args.dtype, seq_len=args.seq_len, micro_batch_sizes=args.micro_batch_sizes,
-                         tps=args.tp_degrees, timing=TimingConfig(args.warmup, args.repeats),
+                         tps=args.tp_degrees, timing=TimingConfig(args.warmup, args.repeats, max(args.repeats, 25)),
                          max_message_bytes=args.max_message_size, threads_per_rank=args.threads_per_rank or 0,
                          show_progress=not args.quiet)
     concurrent = cfg.nprocs if cfg.device_kind == "cpu" else 1

@@ -20,8 +20,13 @@ from profiler.profile import ComputeSample
 
 @dataclass
 class TimingConfig:
+    """`repeats` timed passes at least; cheap points keep going (up to `max_repeats`) while their timed
+    passes total less than `budget_s`, so that a median over many passes shrugs off a descheduled one."""
+
     warmup: int = 2
     repeats: int = 5
+    max_repeats: int = 25
+    budget_s: float = 0.2
 
 
 class Stopwatch:
@@ -70,7 +75,9 @@ def time_passes(spec: ModelSpec, kind: str, b: int, s: int, tp: int, dtype: str,
     fwds, bwds = [], []
     if device.type == "cuda":
         torch.cuda.synchronize()
-    for i in range(cfg.warmup + cfg.repeats):
+    i = 0
+    while i < cfg.warmup + cfg.repeats or (i < cfg.warmup + cfg.max_repeats
+                                           and sum(fwds) + sum(bwds) < cfg.budget_s):
         x = case.make_input()
         out, t_fwd = watch.time(lambda: forward(case, x, recompute))
         _, t_bwd = watch.time(lambda o=out: case.backward(o))
@@ -80,6 +87,7 @@ def time_passes(spec: ModelSpec, kind: str, b: int, s: int, tp: int, dtype: str,
         if i >= cfg.warmup:
             fwds.append(t_fwd)
             bwds.append(t_bwd)
+        i += 1
     return fwds, bwds
 
 

@@ -25,7 +25,15 @@ from profiler.compute import Stopwatch, TimingConfig, grid, measure_sample, medi
 from profiler.layers import build_case
 from profiler.links import LinkTiming, fit_timings, message_sizes, time_ops
 from profiler.memory import measure_activations, measure_state
-from profiler.profile import LINK_OPS, RECOMPUTE_MODES, ComputeSample, LinkFit, Profile
+from profiler.profile import (
+    LINK_OPS,
+    RECOMPUTE_MODES,
+    ComputeSample,
+    LinkFit,
+    MemorySample,
+    Profile,
+    StateSample,
+)
 from profiler.progress import Reporter
 
 
@@ -134,12 +142,20 @@ def _link_phase(cfg: MeasureConfig, world: int, local_world: int, device: torch.
 
 def _steps(cfg: MeasureConfig, world: int, local_world: int) -> int:
     links = (local_world >= 2) + (world // local_world >= 2)
-    return len(grid(cfg.micro_batch_sizes, cfg.seq_lens, cfg.tps)) + 1 + links * len(LINK_OPS) * len(
+    return len(grid(cfg.micro_batch_sizes, cfg.seq_lens, cfg.tps)) + 2 + links * len(LINK_OPS) * len(
         message_sizes(cfg.min_message_bytes, cfg.max_message_bytes))
 
 
 def run_rank(cfg: MeasureConfig, rank: int, world: int, local_rank: int, local_world: int) -> dict | None:
     """The per-rank body (process group already initialised when world > 1); rank 0 returns the results."""
+    threads = torch.get_num_threads()
+    try:
+        return _run_rank(cfg, rank, world, local_rank, local_world)
+    finally:
+        torch.set_num_threads(threads)  # in-process (one rank): leave the caller's threads as they were
+
+
+def _run_rank(cfg: MeasureConfig, rank: int, world: int, local_rank: int, local_world: int) -> dict | None:
     device = torch.device("cuda", local_rank) if cfg.device_kind == "cuda" else torch.device("cpu")
     if cfg.device_kind == "cuda":
         torch.cuda.set_device(device)
@@ -154,7 +170,11 @@ def run_rank(cfg: MeasureConfig, rank: int, world: int, local_rank: int, local_w
             reporter.close()
     if rank != 0:
         return None
+    if reporter is not None:
+        reporter.step("activation and model-state memory")
+    memory, state = measure_memory(cfg, device)  # rank 0 alone: bytes do not depend on contention
     return {"compute": [asdict(c) for c in compute], "optimizer_s_per_param": opt,
+            "memory": [asdict(m) for m in memory], "state": [asdict(x) for x in state],
             "threads_per_rank": torch.get_num_threads() if cfg.device_kind == "cpu" else 0,
             "links": {k: [asdict(t) for t in v] for k, v in timings.items()}}
 
@@ -206,8 +226,7 @@ def _run_ranks(cfg: MeasureConfig) -> dict:
             return json.load(fh)
 
 
-def measure_memory(cfg: MeasureConfig) -> tuple[list, list]:
-    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device_kind == "cuda" else torch.device("cpu")
+def measure_memory(cfg: MeasureConfig, device: torch.device) -> tuple[list[MemorySample], list[StateSample]]:
     memory, state = [], []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # byte counts do not depend on threads; a loaded host makes many threads slow
@@ -232,7 +251,6 @@ def _memory_points(cfg: MeasureConfig, device: torch.device, memory: list, state
 def measure_profile(cfg: MeasureConfig) -> Profile:
     start = time.perf_counter()
     result = _run_ranks(cfg)
-    memory, state = measure_memory(cfg)
     links: dict[str, dict[str, LinkFit]] = {name: fit_timings([LinkTiming(**t) for t in rows])
                                             for name, rows in result["links"].items()}
     for name, spec in (("intra_node", cfg.cluster.intra_node), ("inter_node", cfg.cluster.inter_node)):
@@ -243,11 +261,14 @@ def measure_profile(cfg: MeasureConfig) -> Profile:
     return Profile(
         model=cfg.model, dtype=cfg.dtype, source="measured", device_kind=cfg.device_kind,
         device_name=device_name(cfg.device_kind), torch_version=torch.__version__,
-        compute=[ComputeSample(**c) for c in result["compute"]], links=links, memory=memory,
+        compute=[ComputeSample(**c) for c in result["compute"]], links=links,
+        memory=[MemorySample(**m) for m in result["memory"]],
         optimizer_s_per_param=result["optimizer_s_per_param"], concurrent_ranks=concurrent,
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"), state=state,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        state=[StateSample(**x) for x in result["state"]],
         threads_per_rank=result["threads_per_rank"],
-        settings={"warmup": t.warmup, "repeats": t.repeats, "ranks": cfg.nprocs,
+        settings={"warmup": t.warmup, "repeats": t.repeats, "max_repeats": t.max_repeats, "budget_s": t.budget_s,
+                  "ranks": cfg.nprocs,
                   "min_message_bytes": cfg.min_message_bytes, "max_message_bytes": cfg.max_message_bytes,
                   "seconds": round(time.perf_counter() - start, 2)},
     )
@@ -271,7 +292,7 @@ def default_config(model: ModelSpec, cluster: ClusterSpec, dtype: str, *, seq_le
         micro_batch_sizes=micro_batch_sizes or ([1, 2] if quick else [1, 2, 4]),
         seq_lens=sorted({max(1, s // 2), s}),
         tps=tps or tp_degrees(model, min(cluster.devices_per_node, 8)),
-        timing=TimingConfig(warmup=1, repeats=3) if quick else TimingConfig(),
+        timing=TimingConfig(warmup=1, repeats=3, budget_s=0.05) if quick else TimingConfig(),
         max_message_bytes=(16 if quick else 256) * 1024**2,
     )
     for key, value in overrides.items():
