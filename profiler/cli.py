@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -80,6 +81,8 @@ def main(argv: Sequence[str]) -> int:
     from profiler.profile import save_profile
 
     args = parser().parse_args(list(argv))
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun every rank measures; rank 0 reports
+        args.quiet, args.output = True, None
     model = resolve_model(args.model)
     cluster = parse_cluster(args.cluster)
     if args.preset:
@@ -110,7 +113,8 @@ def _measure_or_cached(args: argparse.Namespace, model, cluster):
                          max_message_bytes=args.max_message_size, threads_per_rank=args.threads_per_rank or 0,
                          show_progress=not args.quiet)
     concurrent = cfg.nprocs if cfg.device_kind == "cpu" else 1
-    if not args.force:
+    # under torchrun every rank must take part in the measurement: a cache hit on one host only would hang
+    if not args.force and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         cached = load_cached(model, device_name(cfg.device_kind), args.dtype, concurrent)
         if cached is not None:
             if not args.quiet:
