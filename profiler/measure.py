@@ -14,7 +14,7 @@ import socket
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,10 @@ from profiler.profile import (
     StateSample,
 )
 from profiler.progress import Reporter
+
+# On GPU the other ranks wait in a barrier while rank 0 measures compute, which can take long for a big
+# model: longer than NCCL's default 10-minute watchdog.
+RANK_TIMEOUT = timedelta(minutes=60)
 
 
 @dataclass
@@ -191,7 +195,8 @@ def _spawned(rank: int, world: int, port: int, cfg_dict: dict, result_path: str)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if cfg.device_kind == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cfg.device_kind == "cuda" else "gloo", rank=rank, world_size=world)
+    dist.init_process_group("nccl" if cfg.device_kind == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=RANK_TIMEOUT)
     try:
         result = run_rank(cfg, rank, world, rank, world)
         dist.barrier()
@@ -204,7 +209,7 @@ def _spawned(rank: int, world: int, port: int, cfg_dict: dict, result_path: str)
 
 def _run_ranks(cfg: MeasureConfig) -> dict:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():  # launched by torchrun
-        dist.init_process_group("nccl" if cfg.device_kind == "cuda" else "gloo")
+        dist.init_process_group("nccl" if cfg.device_kind == "cuda" else "gloo", timeout=RANK_TIMEOUT)
     if dist.is_available() and dist.is_initialized():  # under torchrun: every rank runs this
         world, rank = dist.get_world_size(), dist.get_rank()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -251,11 +256,11 @@ def _memory_points(cfg: MeasureConfig, device: torch.device, memory: list, state
 def measure_profile(cfg: MeasureConfig) -> Profile:
     start = time.perf_counter()
     result = _run_ranks(cfg)
-    links: dict[str, dict[str, LinkFit]] = {name: fit_timings([LinkTiming(**t) for t in rows])
-                                            for name, rows in result["links"].items()}
+    measured = {name: fit_timings([LinkTiming(**t) for t in rows]) for name, rows in result["links"].items()}
+    links: dict[str, dict[str, LinkFit]] = {}
     for name, spec in (("intra_node", cfg.cluster.intra_node), ("inter_node", cfg.cluster.inter_node)):
         preset = {op: LinkFit(alpha_s=spec.latency_s, beta_s_per_byte=1.0 / spec.bandwidth_Bps) for op in LINK_OPS}
-        links[name] = preset | links.get(name, {})
+        links[name] = preset | measured.get(name, {})  # links this host does not have: the cluster's figures
     concurrent = cfg.nprocs if cfg.device_kind == "cpu" else 1
     t = cfg.timing
     return Profile(

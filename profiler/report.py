@@ -49,8 +49,8 @@ def print_profile(profile: Profile, console: Console | None = None) -> None:
         lt.add_column(col, justify="left" if col in ("link", "op") else "right")
     for name, fits in profile.links.items():
         for op, f in fits.items():
-            bw = 1.0 / f.beta_s_per_byte / 1e9 if f.beta_s_per_byte > 0 else float("inf")
-            lt.add_row(name, op, str(f.measured_group_size or "preset"), f"{f.alpha_s * 1e6:.1f}", f"{bw:.2f}",
+            bw = f"{1.0 / f.beta_s_per_byte / 1e9:.2f}" if f.beta_s_per_byte > 0 else "- (latency only)"
+            lt.add_row(name, op, str(f.measured_group_size or "preset"), f"{f.alpha_s * 1e6:.1f}", bw,
                        f"{f.fit_error:.0%}" if f.measured_group_size else "-",
                        f"{f.spread:.0%}" if f.measured_group_size else "-")
     console.print(lt)

@@ -152,3 +152,16 @@ def test_auto_profile_is_opt_in_and_bounded(monkeypatch):
     assert p.source == "measured" and p.settings["seconds"] < 60
     assert profile_for(tiny, parse_cluster("1xcpu"), "fp32").created == p.created  # cached now
     assert profile_for(builtin_model("llama3-8b"), parse_cluster("1xcpu"), "fp32").source == "preset"  # too big
+
+
+def test_preset_efficiency_is_user_overridable(tmp_path):
+    """Presets: FLOPs / (documented peak x efficiency); a cluster file overrides the efficiency."""
+    model = builtin_model("llama3-8b")
+    base = profile_for(model, parse_cluster("8xh100-80gb"), "bf16")
+    cluster_file = tmp_path / "slow.yaml"
+    cluster_file.write_text("base: 8xh100-80gb\ndevice:\n  efficiency: 0.25\n")
+    slow = profile_for(model, parse_cluster(str(cluster_file)), "bf16")
+    assert slow.source == base.source == "preset"
+    fwd_base, _ = base.layer_time("block", 1, 4096, 8)
+    fwd_slow, _ = slow.layer_time("block", 1, 4096, 8)
+    assert fwd_slow == pytest.approx(2 * fwd_base, rel=1e-6)  # default efficiency 0.5
