@@ -56,7 +56,8 @@ def shard_spec(spec: ModelSpec, kind: str, tp: int) -> ModelSpec:
 
 @dataclass
 class LayerCase:
-    """One measurable layer: the module, a fresh input, and how to turn the output into a backward call."""
+    """One measurable layer: the module (the head's includes the loss), a fresh input, and how to turn
+    the output into a backward call."""
 
     kind: str
     module: nn.Module
@@ -87,11 +88,22 @@ def build_case(spec: ModelSpec, kind: str, b: int, s: int, tp: int, dtype: str, 
         def make_input() -> torch.Tensor:
             return x0.detach().requires_grad_(True)  # the pipeline also computes the input's gradient
     module = module.to(device=device, dtype=tdtype)
-    if kind == "head":
+    if kind == "head":  # head + loss: the forward ends in the scalar loss (see `forward`)
         targets = torch.randint(0, shard.vocab_size, (b, s), generator=gen).to(device)
+        head = module
 
-        def backward(logits: torch.Tensor) -> None:
-            loss_fn(logits, targets).backward()
+        class HeadLoss(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.head = head
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return loss_fn(self.head(x), targets)
+
+        module = HeadLoss()
+
+        def backward(loss: torch.Tensor) -> None:
+            loss.backward()
     else:
         grad = torch.randn(b, s, spec.hidden_size, generator=gen).to(device=device, dtype=tdtype)
 
