@@ -36,6 +36,17 @@ def print_profile(profile: Profile, console: Console | None = None) -> None:
                   f"{c.spread:.0%}", _act(profile, *key, "none"), _act(profile, *key, "selective"),
                   _act(profile, *key, "full"))
     console.print(t)
+    fits = []
+    for kind in ("embedding", "block", "head"):
+        for tp in sorted({c.tp for c in profile.compute if c.kind == kind}):
+            parts = []
+            for attr in ("forward_s", "backward_s"):
+                overhead, rate = profile._fit(kind, tp, attr)
+                speed = f"{1 / rate / 1e9:.2f} GFLOP/s" if rate > 0 else "no FLOP term"
+                parts.append(f"{attr[:-2]} {overhead * 1e3:.3f} ms + FLOPs at {speed}")
+            fits.append(f"  {kind} t={tp}: " + "; ".join(parts))
+    if fits:
+        console.print("fitted time = overhead + FLOPs / rate (what the planner uses):\n" + "\n".join(fits))
     if profile.state:
         st = Table(title="model state per layer and TP rank (bytes)")
         for col in ("kind", "t", "params", "param B", "grad B", "optimizer B"):
