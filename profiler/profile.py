@@ -50,13 +50,17 @@ class ComputeSample:
     forward_s: float
     backward_s: float
     spread: float = 0.0  # (p90 - p10) / median over the repeats, of forward + backward
+    # backward including the re-run forward with full / selective recompute (0: not measured)
+    backward_full_s: float = 0.0
+    backward_selective_s: float = 0.0
 
     @classmethod
     def from_dict(cls, data: dict, path: str) -> "ComputeSample":
         f = Fields(data, path)
         return cls(f.str("kind", choices=LAYER_KINDS), f.int("micro_batch_size", min=1), f.int("seq_len", min=1),
                    f.int("tp", min=1), f.float("forward_s", min=0.0), f.float("backward_s", min=0.0),
-                   f.float("spread", min=0.0, default=0.0))
+                   f.float("spread", min=0.0, default=0.0), f.float("backward_full_s", min=0.0, default=0.0),
+                   f.float("backward_selective_s", min=0.0, default=0.0))
 
 
 @dataclass
@@ -67,13 +71,36 @@ class MemorySample:
     tp: int
     recompute: str
     activation_bytes: float
+    saved_tensors: int = 0  # distinct storages saved for backward (activation_bytes is their total size)
+    allocated_bytes: float = 0.0  # CUDA cross-check: memory_allocated growth over the forward (0 on CPU)
+    peak_bytes: float = 0.0  # CUDA: max_memory_allocated over the forward, above the start (0 on CPU)
 
     @classmethod
     def from_dict(cls, data: dict, path: str) -> "MemorySample":
         f = Fields(data, path)
         return cls(f.str("kind", choices=LAYER_KINDS), f.int("micro_batch_size", min=1), f.int("seq_len", min=1),
                    f.int("tp", min=1), f.str("recompute", choices=RECOMPUTE_MODES),
-                   f.float("activation_bytes", min=0.0))
+                   f.float("activation_bytes", min=0.0), f.int("saved_tensors", min=0, default=0),
+                   f.float("allocated_bytes", min=0.0, default=0.0), f.float("peak_bytes", min=0.0, default=0.0))
+
+
+@dataclass
+class StateSample:
+    """Model-state bytes of one layer on one TP rank, as allocated: parameters and gradients in the plan's
+    dtype, optimizer state as AdamW created it (moments, step, and the fp32 master copy in mixed precision)."""
+
+    kind: str
+    tp: int
+    parameters: int
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str) -> "StateSample":
+        f = Fields(data, path)
+        return cls(f.str("kind", choices=LAYER_KINDS), f.int("tp", min=1), f.int("parameters", min=0),
+                   f.int("parameter_bytes", min=0), f.int("gradient_bytes", min=0), f.int("optimizer_bytes", min=0))
 
 
 @dataclass
@@ -83,12 +110,15 @@ class LinkFit:
     alpha_s: float
     beta_s_per_byte: float
     measured_group_size: int = 0  # 0: from presets
+    spread: float = 0.0  # median over message sizes of (p90 - p10) / median of the repeats
+    fit_error: float = 0.0  # largest |fit - measured| / measured over the message sizes
 
     @classmethod
     def from_dict(cls, data: dict, path: str) -> "LinkFit":
         f = Fields(data, path)
         return cls(f.float("alpha_s", min=0.0), f.float("beta_s_per_byte", min=0.0),
-                   f.int("measured_group_size", min=0, default=0))
+                   f.int("measured_group_size", min=0, default=0), f.float("spread", min=0.0, default=0.0),
+                   f.float("fit_error", min=0.0, default=0.0))
 
 
 @dataclass
@@ -106,6 +136,9 @@ class Profile:
     concurrent_ranks: int = 1  # processes that ran at once while measuring (CPU ranks share cores)
     corrections: dict[str, float] = field(default_factory=dict)  # per-term factors from `plan calibrate`
     created: str = ""
+    state: list[StateSample] = field(default_factory=list)
+    threads_per_rank: int = 0  # torch intra-op threads of each measuring process (CPU), 0: not recorded
+    settings: dict[str, float] = field(default_factory=dict)  # warm-up, repeats, ... of the measurement
     schema_version: int = SCHEMA_VERSION
 
     # ---- queries used by the planner's cost model ----
@@ -140,11 +173,21 @@ class Profile:
         if mode == "none" or kind != "block":
             return 0.0
         fwd, _ = self.layer_time(kind, b, s, tp)
+        measured = self._recompute_ratio(kind, mode)
+        if measured is not None:
+            return fwd * measured
         if mode == "full":
             return fwd
         q_dim = self.model.num_heads * self.model.head_dim
         attn = 4.0 * b * s * s * q_dim / tp
         return fwd * attn / layer_forward_flops(self.model, kind, b, s, tp)
+
+    def _recompute_ratio(self, kind: str, mode: str) -> float | None:
+        """Measured (backward with recompute - backward) / forward, median over samples; None if unmeasured."""
+        attr = "backward_full_s" if mode == "full" else "backward_selective_s"
+        ratios = sorted(max(0.0, getattr(c, attr) - c.backward_s) / c.forward_s for c in self.compute
+                        if c.kind == kind and getattr(c, attr) > 0 and c.forward_s > 0)
+        return ratios[len(ratios) // 2] if ratios else None
 
     def activation_bytes(self, kind: str, b: int, s: int, tp: int, recompute: str = "none",
                          sequence_parallel: bool = False) -> float:
@@ -208,6 +251,9 @@ class Profile:
             optimizer_s_per_param=f.float("optimizer_s_per_param", min=0.0, default=0.0),
             concurrent_ranks=f.int("concurrent_ranks", min=1, default=1),
             corrections=corrections, created=f.str("created", default=""),
+            state=[StateSample.from_dict(m, f"{path}.state[{i}]") for i, m in enumerate(f.list("state", default=[]))],
+            threads_per_rank=f.int("threads_per_rank", min=0, default=0),
+            settings=f.number_map("settings", default={}),
         )
 
 

@@ -1,0 +1,127 @@
+"""`plan profile MODEL --cluster CLUSTER [-o profile.json] [--force]`: measure on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Sequence
+
+from planner.cli import _Parser, positive_int
+from planner.errors import InputError
+from planner.plan import DTYPES
+
+_SIZE_RE = re.compile(r"^(\d+)\s*(B|KiB|MiB|GiB)?$", re.IGNORECASE)
+_UNITS = {"b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+
+
+def byte_size(text: str) -> int:
+    m = _SIZE_RE.match(text.strip())
+    if not m or int(m[1]) < 1:
+        raise argparse.ArgumentTypeError(f"expected a size such as 4096, 64KiB or 256MiB, got '{text}'")
+    return int(m[1]) * _UNITS[(m[2] or "b").lower()]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="plan profile",
+                description="Measure per-layer forward/backward time, activation and model-state memory, and "
+                            "collective latency/bandwidth on this machine, for the planner.")
+    p.add_argument("model", metavar="MODEL", help="built-in name, config.json path (gpt2/llama architectures)")
+    p.add_argument("--cluster", required=True, metavar="CLUSTER",
+                   help="Nxcpu (N processes share this host's cores), local, or GxTYPE matching this machine's GPUs")
+    p.add_argument("-o", "--output", metavar="PATH", help="also write the profile JSON to PATH")
+    p.add_argument("--force", action="store_true", help="re-measure even if a cached profile exists")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16", help="precision to measure in (default: bf16)")
+    p.add_argument("--seq-len", type=positive_int, metavar="S",
+                   help="longest sequence measured, S/2 too (default: the model's maximum, at most 2048)")
+    p.add_argument("--micro-batch-sizes", type=positive_int, nargs="+", metavar="B", help="default: 1 2 4")
+    p.add_argument("--tp-degrees", type=positive_int, nargs="+", metavar="T",
+                   help="shard shapes to measure (default: powers of two up to the node size that divide the heads)")
+    p.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed passes per point (default: 2)")
+    p.add_argument("--repeats", type=positive_int, default=5, metavar="N",
+                   help="timed passes per point at least (default: 5; cheap points repeat up to 25 within 0.2 s)")
+    p.add_argument("--max-message-size", type=byte_size, default=256 * 1024**2, metavar="SIZE",
+                   help="largest collective message (default: 256MiB; sizes from 4KiB by factors of 4)")
+    p.add_argument("--threads-per-rank", type=positive_int, metavar="N",
+                   help="torch threads of each CPU rank (default: $OMP_NUM_THREADS, else cores / ranks)")
+    p.add_argument("--preset", action="store_true",
+                   help="write the preset profile (documented peak x efficiency, link datasheets) without measuring")
+    p.add_argument("--quiet", action="store_true", help="no progress and no tables")
+    return p
+
+
+def _check(args: argparse.Namespace, model, cluster) -> None:
+    import torch
+
+    from profiler.layers import check_buildable, shard_spec
+    from profiler.source import local_device
+
+    check_buildable(model)
+    if cluster.device.kind == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is built for CPU only" if torch.version.cuda is None else "no CUDA device is visible"
+            raise InputError(f"--cluster: '{cluster.name}' has CUDA devices but CUDA is not available here ({why}); "
+                             f"profile on that machine, or use --preset for documented peak figures")
+        if local_device(cluster) is None:
+            raise InputError(f"--cluster: this machine's GPU is {torch.cuda.get_device_name(0)}, not "
+                             f"{cluster.device.type}; use --cluster local, or --preset for documented figures")
+    if args.seq_len and args.seq_len > model.max_seq_len:
+        raise InputError(f"--seq-len: {args.seq_len} exceeds the maximum sequence length {model.max_seq_len} "
+                         f"of '{model.name}'")
+    for t in args.tp_degrees or []:
+        shard_spec(model, "block", t)
+    if args.warmup < 0:
+        raise InputError(f"--warmup: expected a non-negative integer, got {args.warmup}")
+
+
+def main(argv: Sequence[str]) -> int:
+    from planner.cluster_spec import parse_cluster
+    from planner.model_sources import resolve_model
+    from profiler.profile import save_profile
+
+    args = parser().parse_args(list(argv))
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun every rank measures; rank 0 reports
+        args.quiet, args.output = True, None
+    model = resolve_model(args.model)
+    cluster = parse_cluster(args.cluster)
+    if args.preset:
+        from profiler.presets import preset_profile
+
+        profile = preset_profile(model, cluster, args.dtype)
+    else:
+        _check(args, model, cluster)
+        profile = _measure_or_cached(args, model, cluster)
+    if args.output:
+        save_profile(profile, args.output)
+    if not args.quiet:
+        from profiler.report import print_profile
+
+        print_profile(profile)
+        if args.output:
+            print(f"profile written to {args.output}")
+    return 0
+
+
+def _measure_or_cached(args: argparse.Namespace, model, cluster):
+    from profiler.cache import load_cached, store
+    from profiler.compute import TimingConfig
+    from profiler.measure import default_config, device_name, measure_profile
+
+    cfg = default_config(model, cluster, args.dtype, seq_len=args.seq_len, micro_batch_sizes=args.micro_batch_sizes,
+                         tps=args.tp_degrees, timing=TimingConfig(args.warmup, args.repeats, max(args.repeats, 25)),
+                         max_message_bytes=args.max_message_size, threads_per_rank=args.threads_per_rank or 0,
+                         show_progress=not args.quiet)
+    concurrent = cfg.nprocs if cfg.device_kind == "cpu" else 1
+    # under torchrun every rank must take part in the measurement: a cache hit on one host only would hang
+    if not args.force and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        cached = load_cached(model, device_name(cfg.device_kind), args.dtype, concurrent)
+        if cached is not None:
+            if not args.quiet:
+                print(f"using the cached profile measured {cached.created} (--force re-measures)", file=sys.stderr)
+            return cached
+    profile = measure_profile(cfg)
+    path = store(profile)
+    if not args.quiet:
+        print(f"profile cached in {path}", file=sys.stderr)
+    return profile

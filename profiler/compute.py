@@ -1,0 +1,126 @@
+"""Forward and backward time per layer kind, micro-batch size, sequence length and TP degree.
+
+GPU: CUDA events around each pass and a synchronize before reading them; CPU: the monotonic
+perf_counter. Each point gets warm-up passes, then `repeats` timed passes; the sample keeps the median
+and the spread (p90 - p10) / median so that the planner (and the user) can see how noisy it was.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from planner.model_spec import ModelSpec
+from profiler.layers import build_case, forward
+from profiler.profile import ComputeSample
+
+
+@dataclass
+class TimingConfig:
+    """`repeats` timed passes at least; cheap points keep going (up to `max_repeats`) while their timed
+    passes total less than `budget_s`, so that a median over many passes shrugs off a descheduled one."""
+
+    warmup: int = 2
+    repeats: int = 5
+    max_repeats: int = 25
+    budget_s: float = 0.2
+
+
+class Stopwatch:
+    """Elapsed seconds of a region: CUDA events on GPU (the host only enqueues kernels), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def time(self, fn: Callable[[], object]) -> tuple[object, float]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            torch.cuda.synchronize()
+            return out, start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        out = fn()
+        return out, time.perf_counter() - t0
+
+
+def median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
+
+
+def quantile(xs: list[float], q: float) -> float:
+    ys = sorted(xs)
+    pos = q * (len(ys) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ys) - 1)
+    return ys[lo] + (ys[hi] - ys[lo]) * (pos - lo)
+
+
+def spread(xs: list[float]) -> float:
+    m = median(xs)
+    return (quantile(xs, 0.9) - quantile(xs, 0.1)) / m if m > 0 else 0.0
+
+
+def time_passes(spec: ModelSpec, kind: str, b: int, s: int, tp: int, dtype: str, device: torch.device,
+                cfg: TimingConfig, recompute: str = "none") -> tuple[list[float], list[float]]:
+    """Forward and backward seconds of each timed repeat of one layer."""
+    case = build_case(spec, kind, b, s, tp, dtype, device)
+    watch = Stopwatch(device)
+    fwds, bwds = [], []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    i = 0
+    while i < cfg.warmup + cfg.repeats or (i < cfg.warmup + cfg.max_repeats
+                                           and sum(fwds) + sum(bwds) < cfg.budget_s):
+        x = case.make_input()
+        out, t_fwd = watch.time(lambda: forward(case, x, recompute))
+        _, t_bwd = watch.time(lambda o=out: case.backward(o))
+        for p in case.parameters():
+            p.grad = None
+        del out
+        if i >= cfg.warmup:
+            fwds.append(t_fwd)
+            bwds.append(t_bwd)
+        i += 1
+    return fwds, bwds
+
+
+def measure_sample(spec: ModelSpec, kind: str, b: int, s: int, tp: int, dtype: str, device: torch.device,
+                   cfg: TimingConfig, recompute_modes: tuple[str, ...] = ("full", "selective")) -> ComputeSample:
+    """One ComputeSample; for blocks also the backward time with each recompute mode."""
+    fwds, bwds = time_passes(spec, kind, b, s, tp, dtype, device, cfg)
+    sample = ComputeSample(kind, b, s, tp, forward_s=median(fwds), backward_s=median(bwds),
+                           spread=spread([f + g for f, g in zip(fwds, bwds)]))
+    if kind == "block":
+        for mode in recompute_modes:
+            _, bwd_mode = time_passes(spec, kind, b, s, tp, dtype, device, cfg, recompute=mode)
+            setattr(sample, f"backward_{mode}_s", median(bwd_mode))
+    return sample
+
+
+@dataclass(frozen=True)
+class Point:
+    kind: str
+    b: int
+    s: int
+    tp: int
+
+    def label(self) -> str:
+        return f"{self.kind} b={self.b} s={self.s} t={self.tp}"
+
+
+def grid(micro_batch_sizes: list[int], seq_lens: list[int], tps: list[int]) -> list[Point]:
+    """The (kind, b, s, t) points to measure: the embedding does not depend on t (not sharded)."""
+    points = []
+    for kind in ("embedding", "block", "head"):
+        for tp in tps if kind != "embedding" else [1]:
+            for s in seq_lens:
+                for b in micro_batch_sizes:
+                    points.append(Point(kind, b, s, tp))
+    return points

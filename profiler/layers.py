@@ -1,0 +1,144 @@
+"""The layers the profiler measures, built from executor/model.py with the shard shapes of one TP rank.
+
+A tensor-parallel rank of degree t computes a block with heads/t query heads, kv_heads/t key/value heads
+and ffn/t hidden MLP units (column-/row-wise sharded Linears; norms replicated, hidden size unchanged),
+and a head with vocab/t logits. One device can therefore measure what a TP rank computes without the
+collectives, which the profiler times separately as links.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
+
+from executor.model import Block, Embedding, Head, loss_fn
+from planner.errors import InputError
+from planner.model_spec import ModelSpec
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_buildable(spec: ModelSpec) -> None:
+    if spec.arch not in ("gpt2", "llama"):
+        raise InputError(f"MODEL: the profiler builds gpt2/llama architectures from executor/model.py, not "
+                         f"'{spec.arch}' ('{spec.name}'); pass a measured --profile or plan with presets")
+
+
+def tp_degrees(spec: ModelSpec, max_tp: int) -> list[int]:
+    """Powers of two up to max_tp that divide the query and key/value heads and the MLP width."""
+    out, t = [], 1
+    while t <= max_tp:
+        if spec.num_heads % t == 0 and spec.num_kv_heads % t == 0 and spec.ffn_hidden_size % t == 0:
+            out.append(t)
+        t *= 2
+    return out
+
+
+def shard_spec(spec: ModelSpec, kind: str, tp: int) -> ModelSpec:
+    if tp == 1:
+        return spec
+    if kind == "block":
+        if spec.num_heads % tp or spec.num_kv_heads % tp or spec.ffn_hidden_size % tp:
+            raise InputError(f"--tp: {tp} does not divide the heads ({spec.num_heads}), key/value heads "
+                             f"({spec.num_kv_heads}) and MLP width ({spec.ffn_hidden_size}) of '{spec.name}'")
+        return replace(spec, num_heads=spec.num_heads // tp, num_kv_heads=spec.num_kv_heads // tp,
+                       ffn_hidden_size=spec.ffn_hidden_size // tp, layers=())
+    if kind == "head":
+        return replace(spec, vocab_size=-(-spec.vocab_size // tp), tied_embeddings=False, layers=())
+    return spec  # the embedding is not sharded by the plans meshplan makes
+
+
+@dataclass
+class LayerCase:
+    """One measurable layer: the module (the head's includes the loss), a fresh input, and how to turn
+    the output into a backward call."""
+
+    kind: str
+    module: nn.Module
+    make_input: Callable[[], torch.Tensor]
+    backward: Callable[[torch.Tensor], None]
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.module.parameters())
+
+
+def build_case(spec: ModelSpec, kind: str, b: int, s: int, tp: int, dtype: str, device: torch.device,
+               seed: int = 0) -> LayerCase:
+    """The layer of `kind` as one TP rank holds it, in `dtype` on `device`, with inputs of b x s tokens."""
+    shard = shard_spec(spec, kind, tp)
+    torch.manual_seed(seed)
+    tdtype = TORCH_DTYPES[dtype]
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    if kind == "embedding":
+        module: nn.Module = Embedding(shard)
+        tokens = torch.randint(0, spec.vocab_size, (b, s), generator=gen).to(device)
+
+        def make_input() -> torch.Tensor:
+            return tokens
+    else:
+        module = Block(shard) if kind == "block" else Head(shard)
+        x0 = torch.randn(b, s, spec.hidden_size, generator=gen).to(device=device, dtype=tdtype)
+
+        def make_input() -> torch.Tensor:
+            return x0.detach().requires_grad_(True)  # the pipeline also computes the input's gradient
+    module = module.to(device=device, dtype=tdtype)
+    if kind == "head":  # head + loss: the forward ends in the scalar loss (see `forward`)
+        targets = torch.randint(0, shard.vocab_size, (b, s), generator=gen).to(device)
+        head = module
+
+        class HeadLoss(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.head = head
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return loss_fn(self.head(x), targets)
+
+        module = HeadLoss()
+
+        def backward(loss: torch.Tensor) -> None:
+            loss.backward()
+    else:
+        grad = torch.randn(b, s, spec.hidden_size, generator=gen).to(device=device, dtype=tdtype)
+
+        def backward(out: torch.Tensor) -> None:
+            out.backward(grad)
+    return LayerCase(kind, module, make_input, backward)
+
+
+class _CheckpointAttentionCore(TorchFunctionMode):
+    """Selective recompute (Korthikanti et al.): checkpoint only the attention core, softmax(QKᵀ)V, so
+    that its internals are recomputed in backward and only q, k, v are kept. `on_inputs` sees what the
+    checkpoint keeps alive (for memory accounting)."""
+
+    def __init__(self, on_inputs: Callable[[list[torch.Tensor]], None] | None = None):
+        super().__init__()
+        self.on_inputs = on_inputs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and torch.is_grad_enabled():
+            if self.on_inputs is not None:
+                self.on_inputs([a for a in args if isinstance(a, torch.Tensor)])
+            return checkpoint(func, *args, use_reentrant=False, **kwargs)
+        return func(*args, **kwargs)
+
+
+def forward(case: LayerCase, x: torch.Tensor, recompute: str = "none",
+            on_kept: Callable[[list[torch.Tensor]], None] | None = None) -> torch.Tensor:
+    """The layer's forward with the plan's recompute mode (block only; other layers ignore it).
+    Full: checkpoint the whole block, keeping its input. Selective: checkpoint the attention core."""
+    if case.kind != "block" or recompute == "none":
+        return case.module(x)
+    if recompute == "full":
+        if on_kept is not None:
+            on_kept([x])
+        return checkpoint(case.module, x, use_reentrant=False)
+    with _CheckpointAttentionCore(on_kept):
+        return case.module(x)

@@ -1,0 +1,305 @@
+"""Run a whole measurement: compute on every rank at once (CPU ranks share cores), links between the
+ranks that exist, memory in the parent process, assembled into a measured Profile.
+
+Ranks come from `torchrun` when the profiler runs under it (several nodes: intra- and inter-node
+groups), else from torch.multiprocessing with a free port on this host (gloo on CPU, NCCL on GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta, timezone
+
+import torch
+import torch.distributed as dist
+
+from planner.cluster_spec import ClusterSpec
+from planner.model_spec import ModelSpec
+from profiler.compute import Stopwatch, TimingConfig, grid, measure_sample, median
+from profiler.layers import build_case
+from profiler.links import LinkTiming, fit_timings, message_sizes, time_ops
+from profiler.memory import measure_activations, measure_state
+from profiler.profile import (
+    LINK_OPS,
+    RECOMPUTE_MODES,
+    ComputeSample,
+    LinkFit,
+    MemorySample,
+    Profile,
+    StateSample,
+)
+from profiler.progress import Reporter
+
+# On GPU the other ranks wait in a barrier while rank 0 measures compute, which can take long for a big
+# model: longer than NCCL's default 10-minute watchdog.
+RANK_TIMEOUT = timedelta(minutes=60)
+
+
+@dataclass
+class MeasureConfig:
+    model: ModelSpec
+    cluster: ClusterSpec
+    dtype: str
+    device_kind: str  # "cpu" or "cuda"
+    nprocs: int  # ranks on this host
+    micro_batch_sizes: list[int]
+    seq_lens: list[int]
+    tps: list[int]
+    timing: TimingConfig = field(default_factory=TimingConfig)
+    min_message_bytes: int = 4 * 1024
+    max_message_bytes: int = 256 * 1024**2
+    threads_per_rank: int = 0  # 0: cores // ranks (CPU)
+    show_progress: bool = True
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["model"], d["cluster"] = self.model.to_dict(), self.cluster.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MeasureConfig":
+        d = dict(d)
+        d["model"] = ModelSpec.from_dict(d["model"])
+        d["cluster"] = ClusterSpec.from_dict(d["cluster"])
+        d["timing"] = TimingConfig(**d["timing"])
+        return cls(**d)
+
+
+def device_name(kind: str) -> str:
+    if kind == "cuda":
+        return torch.cuda.get_device_name(0)
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model} ({os.cpu_count()} cores)"
+
+
+def default_threads(nprocs: int) -> int:
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, (os.cpu_count() or 1) // nprocs)
+
+
+def measure_optimizer(spec: ModelSpec, dtype: str, device: torch.device, timing: TimingConfig) -> float:
+    """Seconds per parameter of an AdamW step (fp32 master weights, as mixed precision steps them)."""
+    params = [p.detach().float().clone().requires_grad_(True)
+              for p in build_case(spec, "block", 1, 1, 1, dtype, device).parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    watch = Stopwatch(device)
+    times = [watch.time(opt.step)[1] for _ in range(timing.warmup + timing.repeats)][timing.warmup:]
+    return median(times) / sum(p.numel() for p in params)
+
+
+def _compute_phase(cfg: MeasureConfig, rank: int, device: torch.device, reporter: Reporter | None,
+                   distributed: bool) -> tuple[list[ComputeSample], float]:
+    """Every CPU rank measures the same points at once (they start each point together); on GPU only
+    rank 0 measures (GPUs do not share compute) while the others wait."""
+    measuring = cfg.device_kind == "cpu" or rank == 0
+    samples = []
+    for point in grid(cfg.micro_batch_sizes, cfg.seq_lens, cfg.tps):
+        if reporter is not None:
+            reporter.step(f"compute {point.label()}")
+        if distributed:
+            dist.barrier()
+        if measuring:
+            samples.append(measure_sample(cfg.model, point.kind, point.b, point.s, point.tp, cfg.dtype, device,
+                                          cfg.timing))
+    if reporter is not None:
+        reporter.step("optimizer step")
+    if distributed:
+        dist.barrier()
+    opt = measure_optimizer(cfg.model, cfg.dtype, device, cfg.timing) if measuring else 0.0
+    return samples, opt
+
+
+def _link_phase(cfg: MeasureConfig, world: int, local_world: int, device: torch.device,
+                reporter: Reporter | None) -> dict[str, list[LinkTiming]]:
+    """Intra-node: the ranks of node 0; inter-node: one rank per node (each op crosses the fabric)."""
+    nodes = world // local_world
+    groups = {}
+    if local_world >= 2:
+        ranks = list(range(local_world))
+        groups["intra_node"] = (dist.new_group(ranks) if nodes > 1 else dist.group.WORLD, ranks)
+    if nodes >= 2:
+        ranks = [k * local_world for k in range(nodes)]
+        groups["inter_node"] = (dist.new_group(ranks), ranks)
+    sizes = message_sizes(cfg.min_message_bytes, cfg.max_message_bytes)
+    progress = reporter.step if reporter is not None else None
+    return {name: time_ops(group, ranks, device, sizes, LINK_OPS, progress=progress)
+            for name, (group, ranks) in groups.items()}
+
+
+def _steps(cfg: MeasureConfig, world: int, local_world: int) -> int:
+    links = (local_world >= 2) + (world // local_world >= 2)
+    return len(grid(cfg.micro_batch_sizes, cfg.seq_lens, cfg.tps)) + 2 + links * len(LINK_OPS) * len(
+        message_sizes(cfg.min_message_bytes, cfg.max_message_bytes))
+
+
+def run_rank(cfg: MeasureConfig, rank: int, world: int, local_rank: int, local_world: int) -> dict | None:
+    """The per-rank body (process group already initialised when world > 1); rank 0 returns the results."""
+    threads = torch.get_num_threads()
+    try:
+        return _run_rank(cfg, rank, world, local_rank, local_world)
+    finally:
+        torch.set_num_threads(threads)  # in-process (one rank): leave the caller's threads as they were
+
+
+def _run_rank(cfg: MeasureConfig, rank: int, world: int, local_rank: int, local_world: int) -> dict | None:
+    device = torch.device("cuda", local_rank) if cfg.device_kind == "cuda" else torch.device("cpu")
+    if cfg.device_kind == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(cfg.threads_per_rank or default_threads(local_world))
+    reporter = Reporter(_steps(cfg, world, local_world), enabled=cfg.show_progress) if rank == 0 else None
+    try:
+        compute, opt = _compute_phase(cfg, rank, device, reporter, world > 1)
+        timings = _link_phase(cfg, world, local_world, device, reporter) if world > 1 else {}
+    finally:
+        if reporter is not None:
+            reporter.close()
+    if rank != 0:
+        return None
+    if reporter is not None:
+        reporter.step("activation and model-state memory")
+    memory, state = measure_memory(cfg, device)  # rank 0 alone: bytes do not depend on contention
+    return {"compute": [asdict(c) for c in compute], "optimizer_s_per_param": opt,
+            "memory": [asdict(m) for m in memory], "state": [asdict(x) for x in state],
+            "threads_per_rank": torch.get_num_threads() if cfg.device_kind == "cpu" else 0,
+            "links": {k: [asdict(t) for t in v] for k, v in timings.items()}}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawned(rank: int, world: int, port: int, cfg_dict: dict, result_path: str) -> None:
+    """torch.multiprocessing entry point: one rank on this host."""
+    cfg = MeasureConfig.from_dict(cfg_dict)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if cfg.device_kind == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cfg.device_kind == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=RANK_TIMEOUT)
+    try:
+        result = run_rank(cfg, rank, world, rank, world)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    if result is not None:
+        with open(result_path, "w", encoding="utf-8") as fh:
+            json.dump(result, fh)
+
+
+def _run_ranks(cfg: MeasureConfig) -> dict:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():  # launched by torchrun
+        dist.init_process_group("nccl" if cfg.device_kind == "cuda" else "gloo", timeout=RANK_TIMEOUT)
+    if dist.is_available() and dist.is_initialized():  # under torchrun: every rank runs this
+        world, rank = dist.get_world_size(), dist.get_rank()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        result = run_rank(cfg, rank, world, local_rank, local_world)
+        obj = [result]
+        dist.broadcast_object_list(obj, src=0)
+        return obj[0]
+    if cfg.nprocs == 1:
+        result = run_rank(cfg, 0, 1, 0, 1)
+        assert result is not None
+        return result
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="meshplan-profile-") as tmp:
+        path = os.path.join(tmp, "result.json")
+        mp.spawn(_spawned, args=(cfg.nprocs, _free_port(), cfg.to_dict(), path), nprocs=cfg.nprocs, join=True)
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+
+
+def measure_memory(cfg: MeasureConfig, device: torch.device) -> tuple[list[MemorySample], list[StateSample]]:
+    memory, state = [], []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # byte counts do not depend on threads; a loaded host makes many threads slow
+    try:
+        _memory_points(cfg, device, memory, state)
+    finally:
+        torch.set_num_threads(threads)
+    return memory, state
+
+
+def _memory_points(cfg: MeasureConfig, device: torch.device, memory: list, state: list) -> None:
+    for point in grid(cfg.micro_batch_sizes, cfg.seq_lens, cfg.tps):
+        modes = RECOMPUTE_MODES if point.kind == "block" else ("none",)
+        for mode in modes:
+            memory.append(measure_activations(cfg.model, point.kind, point.b, point.s, point.tp, cfg.dtype,
+                                              device, mode))
+    for kind in ("embedding", "block", "head"):
+        for tp in cfg.tps if kind != "embedding" else [1]:
+            state.append(measure_state(cfg.model, kind, tp, cfg.dtype, device))
+
+
+def measure_profile(cfg: MeasureConfig) -> Profile:
+    start = time.perf_counter()
+    result = _run_ranks(cfg)
+    measured = {name: fit_timings([LinkTiming(**t) for t in rows]) for name, rows in result["links"].items()}
+    links: dict[str, dict[str, LinkFit]] = {}
+    for name, spec in (("intra_node", cfg.cluster.intra_node), ("inter_node", cfg.cluster.inter_node)):
+        preset = {op: LinkFit(alpha_s=spec.latency_s, beta_s_per_byte=1.0 / spec.bandwidth_Bps) for op in LINK_OPS}
+        links[name] = preset | measured.get(name, {})  # links this host does not have: the cluster's figures
+    concurrent = cfg.nprocs if cfg.device_kind == "cpu" else 1
+    t = cfg.timing
+    return Profile(
+        model=cfg.model, dtype=cfg.dtype, source="measured", device_kind=cfg.device_kind,
+        device_name=device_name(cfg.device_kind), torch_version=torch.__version__,
+        compute=[ComputeSample(**c) for c in result["compute"]], links=links,
+        memory=[MemorySample(**m) for m in result["memory"]],
+        optimizer_s_per_param=result["optimizer_s_per_param"], concurrent_ranks=concurrent,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        state=[StateSample(**x) for x in result["state"]],
+        threads_per_rank=result["threads_per_rank"],
+        settings={"warmup": t.warmup, "repeats": t.repeats, "max_repeats": t.max_repeats, "budget_s": t.budget_s,
+                  "ranks": cfg.nprocs,
+                  "min_message_bytes": cfg.min_message_bytes, "max_message_bytes": cfg.max_message_bytes,
+                  "seconds": round(time.perf_counter() - start, 2)},
+    )
+
+
+
+def default_config(model: ModelSpec, cluster: ClusterSpec, dtype: str, *, seq_len: int | None = None,
+                   micro_batch_sizes: list[int] | None = None, tps: list[int] | None = None,
+                   quick: bool = False, **overrides) -> MeasureConfig:
+    """Enough (b, s, t) points for the planner's fit (time = overhead + FLOPs x rate per kind): b in
+    {1, 2, 4}, the sequence length and its half, every power-of-two t up to the node size (max 8) that
+    divides the heads. `quick` (plan's own measurement) trims repeats and the largest messages."""
+    from profiler.layers import check_buildable, tp_degrees
+
+    check_buildable(model)
+    kind = cluster.device.kind
+    nprocs = cluster.devices_per_node if kind == "cpu" else min(cluster.devices_per_node, torch.cuda.device_count())
+    s = seq_len or min(model.max_seq_len, 2048)
+    cfg = MeasureConfig(
+        model=model, cluster=cluster, dtype=dtype, device_kind=kind, nprocs=max(1, nprocs),
+        micro_batch_sizes=micro_batch_sizes or ([1, 2] if quick else [1, 2, 4]),
+        seq_lens=sorted({max(1, s // 2), s}),
+        tps=tps or tp_degrees(model, min(cluster.devices_per_node, 8)),
+        timing=TimingConfig(warmup=1, repeats=3, budget_s=0.05) if quick else TimingConfig(),
+        max_message_bytes=(16 if quick else 256) * 1024**2,
+    )
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg

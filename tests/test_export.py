@@ -1,0 +1,141 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from planner.cli import main
+from planner.export import megatron_layout, to_deepspeed, to_megatron, to_torchtitan, torchtitan_fqns
+from planner.plan import save_plan
+from tests.helpers import make_plan
+from tests.test_show import PLANS, ROOT, check_golden
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+EXPORTS = {"megatron": (to_megatron, "txt"), "torchtitan": (to_torchtitan, "toml"), "deepspeed": (to_deepspeed, "json")}
+
+
+@pytest.mark.parametrize("fmt", sorted(EXPORTS))
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_export_golden(name, fmt):
+    fn, ext = EXPORTS[fmt]
+    warnings: list[str] = []
+    text = fn(PLANS[name](), warnings)
+    check_golden(f"{fmt}_{name}.{ext}", text + "".join(f"# warning: {w}\n" for w in warnings) if ext == "txt"
+                 else text)
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_torchtitan_toml_parses_and_batches_add_up(name):
+    plan = PLANS[name]()
+    cfg = tomllib.loads(to_torchtitan(plan))
+    p, tr, par = plan.parallel, cfg["training"], cfg["parallelism"]
+    assert tr["global_batch_size"] == p.global_batch_size and tr["seq_len"] == p.seq_len
+    dp = par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"]
+    assert dp * par["tensor_parallel_degree"] * par["pipeline_parallel_degree"] == plan.world_size
+    accumulation = tr["global_batch_size"] // (tr["local_batch_size"] * dp)
+    assert tr["local_batch_size"] * dp * accumulation == p.global_batch_size
+    if p.pp > 1:
+        assert tr["local_batch_size"] // par["pipeline_parallel_microbatch_size"] == p.num_micro_batches
+        assert len(par["module_fqns_per_model_part"]) == p.pp * p.virtual_stages
+    assert cfg["activation_checkpoint"]["mode"] == p.recompute
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_deepspeed_batch_arithmetic(name):
+    plan = PLANS[name]()
+    cfg = json.loads(to_deepspeed(plan))
+    dp = plan.world_size // (plan.parallel.tp * plan.parallel.pp)
+    assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * dp
+    assert cfg["zero_optimization"]["stage"] == plan.parallel.zero
+    assert cfg["bf16"]["enabled"] == (plan.parallel.dtype == "bf16")
+    assert cfg["fp16"]["enabled"] == (plan.parallel.dtype == "fp16")
+
+
+def test_megatron_layout_and_even_split():
+    uneven = make_plan(model="llama3-8b", cluster="8xa100-80gb", pp=4, num_micro_batches=4)
+    assert megatron_layout(uneven) == "Et*7|t*9|t*9|t*7L"  # layers [0,8) [8,17) [17,26) [26,34)
+    assert "--pipeline-model-parallel-layout" in to_megatron(uneven)
+    even = make_plan(model="tiny", cluster="8xa100-80gb", pp=2, virtual_stages=3, schedule="interleaved-1f1b",
+                     num_micro_batches=4)  # 6 layers over 6 stages: embedding and head alone, one block each
+    assert megatron_layout(even) == "E|t|t|t|t|L"
+    flat = make_plan(model="gpt2", cluster="8xa100-80gb", pp=2, num_micro_batches=4)
+    flat.stages[0].layers, flat.stages[1].layers = [0, 7], [7, 14]  # 6 blocks each: Megatron's default
+    args = to_megatron(flat)
+    assert "--pipeline-model-parallel-layout" not in args and "--num-layers-per-virtual-pipeline-stage" not in args
+    assert "--untie-embeddings-and-output-weights" not in args  # gpt2 ties its head to the embedding
+
+
+def test_megatron_recompute_and_zero():
+    full = to_megatron(make_plan(model="tiny", cluster="8xa100-80gb", recompute="full", zero=1, dtype="bf16"))
+    assert "--recompute-granularity full \\\n--recompute-method uniform \\\n--recompute-num-layers 1" in full
+    assert "--use-distributed-optimizer" in full and full.rstrip().endswith("--bf16")
+    partial = make_plan(model="tiny", cluster="8xa100-80gb", pp=2, recompute="full", zero=3, num_micro_batches=4)
+    partial.stages[0].recompute_layers, partial.stages[1].recompute_layers = 1, 2
+    warnings: list[str] = []
+    args = to_megatron(partial, warnings)
+    assert "--recompute-method block \\\n--recompute-num-layers 2" in args
+    assert "--data-parallel-sharding-strategy optim_grads_params" in args
+    assert any(w.startswith("per-stage recompute counts") for w in warnings)
+    assert any(w.startswith("ZeRO-3 with pipeline parallelism") for w in warnings)
+
+
+@pytest.mark.parametrize("fmt,kwargs,feature", [
+    ("megatron", {"pp": 2, "schedule": "gpipe"}, "pipeline schedule gpipe"),
+    ("megatron", {"pp": 2, "virtual_stages": 2, "schedule": "zero-bubble"}, "pipeline schedule zero-bubble"),
+    ("torchtitan", {"dtype": "fp16"}, "dtype fp16"),
+    ("torchtitan", {"zero": 1, "dp": 2}, "ZeRO-1"),
+    ("torchtitan", {"tp": 2}, "tensor parallel without sequence parallel"),
+    ("deepspeed", {"pp": 2, "zero": 2}, "ZeRO-2 with pipeline parallelism"),
+    ("deepspeed", {"pp": 2, "virtual_stages": 2, "schedule": "interleaved-1f1b"}, "pipeline schedule interleaved-1f1b"),
+    ("deepspeed", {"recompute": "selective"}, "recompute selective"),
+])
+def test_unexpressible_features_are_named(fmt, kwargs, feature):
+    kwargs = {"num_micro_batches": 4, **kwargs}
+    warnings: list[str] = []
+    EXPORTS[fmt][0](make_plan(model="tiny", cluster="8xa100-80gb", **kwargs), warnings)
+    assert any(w.startswith(feature) for w in warnings), warnings
+    assert all("\n" not in w for w in warnings)
+
+
+def test_torchtitan_fqns_cover_every_module_once():
+    plan = PLANS["zero_bubble"]()
+    names = [n for part in torchtitan_fqns(plan) for n in part]
+    assert names == ["tok_embeddings", *[f"layers.{i}" for i in range(48)], "norm", "output"]
+
+
+def test_export_cli(tmp_path):
+    path = tmp_path / "plan.json"
+    save_plan(PLANS["zero_bubble"](), str(path))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "planner", "export", str(path), "--format", "torchtitan"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert tomllib.loads(proc.stdout)["parallelism"]["pipeline_parallel_schedule"] == "ZBVZeroBubble"
+    warnings = proc.stderr.strip().splitlines()
+    assert warnings and all(line.startswith("plan export: warning: ") for line in warnings)
+    assert any("dtype fp16" in line for line in warnings)
+
+
+def test_export_cli_output_file(tmp_path, capsys):
+    path, out = tmp_path / "plan.json", tmp_path / "ds.json"
+    save_plan(PLANS["llama"](), str(path))
+    assert main(["export", str(path), "--format", "deepspeed", "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["train_micro_batch_size_per_gpu"] == 1
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["export", "PLAN", "--format", "jax"], "argument --format: invalid choice: 'jax'"),
+    (["export", "PLAN"], "the following arguments are required: --format"),
+    (["export", "/nonexistent.json", "--format", "megatron"], "PLAN: cannot read"),
+])
+def test_export_bad_input_is_one_line(argv, message, tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    save_plan(PLANS["tiny"](), str(path))
+    code = main([str(path) if a == "PLAN" else a for a in argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("plan: error: ") and message in lines[0], err

@@ -1,0 +1,169 @@
+"""`plan profile` end to end on 2 CPU ranks, the cache, presets, and refusals of bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from planner.cli import main as plan_main
+from planner.cluster_spec import parse_cluster
+from planner.model_sources import builtin_model
+from profiler.cache import cache_key, cache_path, load_cached, store
+from profiler.measure import default_config, measure_profile
+from profiler.profile import SCHEMA_VERSION, Profile, load_profile, save_profile
+from profiler.source import AUTO_PROFILE_ENV, profile_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHPLAN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(AUTO_PROFILE_ENV, raising=False)
+
+
+@pytest.fixture(scope="module")
+def measured_1cpu() -> Profile:
+    """A real (small) measurement on one CPU process: tiny, s in {8, 16}, b in {1, 2}, fp32."""
+    cfg = default_config(builtin_model("tiny"), parse_cluster("1xcpu"), "fp32", seq_len=16, quick=True,
+                         show_progress=False)
+    return measure_profile(cfg)
+
+
+def run_plan(*argv: str, cache: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT, MESHPLAN_CACHE=cache)
+    return subprocess.run([sys.executable, "-m", "planner", *argv], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+@pytest.mark.slow
+def test_profile_two_cpu_ranks_then_cached(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    cache = str(tmp_path / "cache")
+    args = ["profile", "tiny", "--cluster", "2xcpu", "--seq-len", "16", "--micro-batch-sizes", "1", "2",
+            "--repeats", "2", "--warmup", "1", "--max-message-size", "64KiB", "--dtype", "fp32"]
+    r = run_plan(*args, "-o", str(out), cache=cache)
+    assert r.returncode == 0, r.stderr
+    assert "compute per layer" in r.stdout and "all_reduce" in r.stdout
+    assert "profile [1/" in r.stderr  # progress: which layer, which size
+    p = load_profile(str(out), model=builtin_model("tiny"))
+    assert p.source == "measured" and p.device_kind == "cpu" and p.concurrent_ranks == 2
+    assert p.schema_version == SCHEMA_VERSION and p.torch_version and p.device_name
+    assert {(c.kind, c.tp) for c in p.compute} == {("embedding", 1), ("block", 1), ("block", 2), ("head", 1),
+                                                   ("head", 2)}
+    assert all(c.forward_s > 0 and c.backward_s > 0 and c.spread >= 0 for c in p.compute)
+    assert {f.measured_group_size for f in p.links["intra_node"].values()} == {2}
+    assert {f.measured_group_size for f in p.links["inter_node"].values()} == {0}  # one host: presets
+    assert {m.recompute for m in p.memory if m.kind == "block"} == {"none", "selective", "full"}
+    assert p.state and p.optimizer_s_per_param > 0 and p.threads_per_rank >= 1
+    # the planner's queries answer sizes that were not measured
+    fwd, bwd = p.layer_time("block", 8, 16, 2)
+    assert fwd > 0 and bwd > 0
+    assert plan_main(args) == 0  # same cache (the private_cache fixture): no second measurement
+    assert "using the cached profile" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["lama3", "--cluster", "2xcpu"], "did you mean"),
+    (["tiny", "--cluster", "2xb300"], "unknown device type 'b300'"),
+    pytest.param(["tiny", "--cluster", "8xh100-80gb"], "CUDA is not available here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present here")),
+    (["tiny", "--cluster", "2xcpu", "--seq-len", "4096"], "--seq-len: 4096 exceeds"),
+    (["tiny", "--cluster", "2xcpu", "--tp-degrees", "3"], "--tp: 3 does not divide"),
+    (["tiny", "--cluster", "2xcpu", "--max-message-size", "12XB"], "--max-message-size"),
+    (["tiny", "--cluster", "2xcpu", "--dtype", "int8"], "--dtype"),
+    (["tests.fixtures.factory_models:tiny_lm", "--cluster", "2xcpu"], "gpt2/llama"),
+    (["tiny"], "--cluster"),
+])
+def test_bad_input_exit_2(capsys, argv, message):
+    assert plan_main(["profile", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_preset_profile_for_a_large_cluster_from_a_laptop(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert plan_main(["profile", "llama3-70b", "--cluster", "128x8xh100-80gb", "--preset", "-o", str(out)]) == 0
+    p = load_profile(str(out), model=builtin_model("llama3-70b"))
+    assert p.source == "preset" and p.links["inter_node"]["all_reduce"].beta_s_per_byte == pytest.approx(1 / 50e9)
+    assert "links" in capsys.readouterr().out
+
+
+def test_plan_refuses_profile_of_another_model_or_schema(tmp_path, capsys, measured_1cpu):
+    path = tmp_path / "tiny.json"
+    save_profile(measured_1cpu, str(path))
+    assert plan_main(["gpt2", "--cluster", "2xcpu", "--profile", str(path)]) == 2
+    assert "measured for model 'tiny'" in capsys.readouterr().err
+    data = json.loads(path.read_text())
+    data["schema_version"] = SCHEMA_VERSION + 1
+    path.write_text(json.dumps(data))
+    assert plan_main(["tiny", "--cluster", "2xcpu", "--profile", str(path)]) == 2
+    assert "schema_version" in capsys.readouterr().err
+
+
+def test_round_trip_keeps_measurements(tmp_path, measured_1cpu):
+    path = tmp_path / "p.json"
+    save_profile(measured_1cpu, str(path))
+    back = load_profile(str(path), model=builtin_model("tiny"))
+    assert back.to_dict() == measured_1cpu.to_dict()
+    assert back.settings["repeats"] == 3 and back.created
+
+
+def test_measured_queries(measured_1cpu):
+    p = measured_1cpu
+    assert p.recompute_time("block", 2, 16, 1, "none") == 0
+    assert p.recompute_time("block", 2, 16, 1, "full") >= 0
+    # activations: the measured / analytic ratio answers unmeasured sizes
+    measured = next(m for m in p.memory if (m.kind, m.micro_batch_size, m.seq_len, m.recompute) ==
+                    ("block", 2, 16, "none"))
+    assert p.activation_bytes("block", 2, 16, 1) == pytest.approx(measured.activation_bytes, rel=0.05)
+    assert p.activation_bytes("block", 2, 16, 1, "full") < p.activation_bytes("block", 2, 16, 1)
+
+
+def test_source_uses_cache_for_local_hardware_and_presets_otherwise(measured_1cpu):
+    tiny = builtin_model("tiny")
+    one_cpu = parse_cluster("1xcpu")
+    assert profile_for(tiny, one_cpu, "fp32").source == "preset"  # nothing cached, auto-profile off
+    store(measured_1cpu)
+    assert load_cached(tiny, measured_1cpu.device_name, "fp32", 1) is not None
+    got = profile_for(tiny, one_cpu, "fp32")
+    assert got.source == "measured" and got.compute == measured_1cpu.compute
+    assert profile_for(tiny, one_cpu, "bf16").source == "preset"  # another dtype
+    assert profile_for(tiny, parse_cluster("2xcpu"), "fp32").source == "preset"  # 2 ranks share the cores
+    assert profile_for(tiny, parse_cluster("8xa100-80gb"), "fp32").source == "preset"  # not this machine
+    assert cache_key(tiny, "x", "fp32", 1) != cache_key(tiny, "x", "fp32", 2)
+
+
+def test_corrupt_cache_is_ignored_not_used(measured_1cpu, capsys):
+    path = store(measured_1cpu)
+    with open(path, "w") as fh:
+        fh.write("{not json")
+    assert profile_for(builtin_model("tiny"), parse_cluster("1xcpu"), "fp32").source == "preset"
+    assert "ignoring cached profile" in capsys.readouterr().err
+    assert path == cache_path(measured_1cpu.model, measured_1cpu.device_name, "fp32", 1)
+
+
+@pytest.mark.slow
+def test_auto_profile_is_opt_in_and_bounded(monkeypatch):
+    monkeypatch.setenv(AUTO_PROFILE_ENV, "1")
+    tiny = builtin_model("tiny")
+    p = profile_for(tiny, parse_cluster("1xcpu"), "fp32")
+    assert p.source == "measured" and p.settings["seconds"] < 60
+    assert profile_for(tiny, parse_cluster("1xcpu"), "fp32").created == p.created  # cached now
+    assert profile_for(builtin_model("llama3-8b"), parse_cluster("1xcpu"), "fp32").source == "preset"  # too big
+
+
+def test_preset_efficiency_is_user_overridable(tmp_path):
+    """Presets: FLOPs / (documented peak x efficiency); a cluster file overrides the efficiency."""
+    model = builtin_model("llama3-8b")
+    base = profile_for(model, parse_cluster("8xh100-80gb"), "bf16")
+    cluster_file = tmp_path / "slow.yaml"
+    cluster_file.write_text("base: 8xh100-80gb\ndevice:\n  efficiency: 0.25\n")
+    slow = profile_for(model, parse_cluster(str(cluster_file)), "bf16")
+    assert slow.source == base.source == "preset"
+    fwd_base, _ = base.layer_time("block", 1, 4096, 8)
+    fwd_slow, _ = slow.layer_time("block", 1, 4096, 8)
+    assert fwd_slow == pytest.approx(2 * fwd_base, rel=1e-6)  # default efficiency 0.5

@@ -1,0 +1,78 @@
+"""Measured layer times: they grow with the micro-batch size and shrink with the TP degree (shard shapes)."""
+
+import pytest
+import torch
+
+from planner.model_sources import builtin_model
+from planner.model_spec import ModelSpec
+from profiler.compute import TimingConfig, grid, measure_sample, median, quantile, spread, time_passes
+from profiler.layers import build_case, forward, shard_spec, tp_degrees
+
+CPU = torch.device("cpu")
+# Big enough that the matmuls, not Python overhead, dominate; small enough for ~1 s per test on one core.
+BLOCK = ModelSpec(name="bench-block", arch="llama", vocab_size=512, hidden_size=256, num_layers=1, num_heads=8,
+                  num_kv_heads=4, ffn_hidden_size=1024, max_seq_len=128)
+CFG = TimingConfig(warmup=2, repeats=7)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Other work shares this machine's cores: one intra-op thread keeps the comparison about FLOPs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def total(kind: str, b: int, s: int, tp: int) -> float:
+    """Fastest forward + backward of the repeats: the profile keeps the median, but on a machine shared with
+    other jobs the minimum is the estimate least disturbed by them, which a comparison test needs."""
+    fwds, bwds = time_passes(BLOCK, kind, b, s, tp, "fp32", CPU, CFG)
+    return min(f + g for f, g in zip(fwds, bwds))
+
+
+def test_block_time_grows_with_micro_batch_size():
+    t1, t4 = total("block", 1, 128, 1), total("block", 4, 128, 1)
+    assert t4 > 2.0 * t1  # 4x the FLOPs
+
+
+def test_block_time_shrinks_with_tp():
+    full, quarter = total("block", 4, 128, 1), total("block", 4, 128, 4)
+    assert quarter < 0.6 * full  # ~1/4 of the matmul FLOPs (norms and rotary are not sharded)
+
+
+def test_head_time_shrinks_with_tp():
+    assert total("head", 4, 128, 4) < 0.75 * total("head", 4, 128, 1)
+
+
+def test_sample_has_recompute_timings_and_spread():
+    s = measure_sample(builtin_model("tiny"), "block", 2, 32, 1, "fp32", CPU, TimingConfig(1, 3))
+    assert s.forward_s > 0 and s.backward_s > 0 and s.spread >= 0
+    assert s.backward_full_s > 0 and s.backward_selective_s > 0
+    head = measure_sample(builtin_model("tiny"), "head", 2, 32, 2, "bf16", CPU, TimingConfig(1, 2))
+    assert head.backward_full_s == 0 and head.forward_s > 0
+
+
+def test_shard_shapes():
+    spec = builtin_model("tiny")  # heads 4, kv 2, ffn 128, vocab 256
+    blk = shard_spec(spec, "block", 2)
+    assert (blk.num_heads, blk.num_kv_heads, blk.ffn_hidden_size, blk.hidden_size) == (2, 1, 64, 64)
+    assert blk.head_dim == spec.head_dim
+    assert shard_spec(spec, "head", 2).vocab_size == 128
+    assert tp_degrees(spec, 8) == [1, 2]
+    case = build_case(spec, "block", 2, 8, 2, "fp32", CPU)
+    assert case.module.attention.wq.weight.shape == (32, 64)
+    x = case.make_input()
+    for mode in ("none", "selective", "full"):
+        out = forward(case, x, mode)
+        case.backward(out)
+        assert x.grad is not None and out.shape == (2, 8, 64)
+
+
+def test_grid_and_statistics():
+    points = grid([1, 2], [16, 32], [1, 2])
+    assert sum(p.kind == "embedding" for p in points) == 4  # not sharded: t = 1 only
+    assert sum(p.kind == "block" for p in points) == 8
+    assert median([3, 1, 2]) == 2 and median([1, 2, 3, 4]) == 2.5
+    assert quantile([0, 10], 0.9) == pytest.approx(9)
+    assert spread([1.0, 1.0, 1.0]) == 0
