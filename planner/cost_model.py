@@ -6,8 +6,9 @@ stage assignment and the per-stage recompute counts. `evaluate` computes the pre
 and memory of one partition from those coefficients; the ILP (planner/ilp.py) optimises exactly the same
 expressions, and the brute-force tests compare the two.
 
-Units: per-stage times are seconds per micro-batch (what a timeline needs); the tail terms (gradient
-sync, optimizer step) are seconds per iteration; memory is bytes per device.
+Units: per-stage times here are seconds per micro-batch (the plan JSON multiplies them by m: seconds per
+iteration, as `plan show` reads them); the tail terms (gradient sync, optimizer step) are seconds per
+iteration; memory is bytes per device.
 
 Assumptions (documented once here):
 - Model state (ZeRO, Rajbhandari et al. SC'20, §3): mixed precision (bf16/fp16) Adam keeps a 16-bit

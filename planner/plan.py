@@ -91,7 +91,8 @@ class MeshSpec:
 class StagePlan:
     """One pipeline stage: layers [start, end) of the model, run on pipeline rank `pp_rank`.
     With v virtual stages, stage k runs on pp rank k % pp (looped placement, as torch.distributed.pipelining
-    expects for interleaved schedules)."""
+    expects for interleaved schedules). `predicted_time_s` is seconds per iteration on the stage (its
+    num_micro_batches micro-batches, no bubble); `predicted_memory_bytes` is per device of its rank."""
 
     stage: int
     pp_rank: int

@@ -37,7 +37,7 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
         + f"  seq {p.seq_len}  recompute={p.recompute}  {p.dtype}"
     )
     table = Table(title="stages", show_lines=False)
-    for col in ("stage", "pp rank", "layers", "recompute", "time/micro-batch", "memory (rank)"):
+    for col in ("stage", "pp rank", "layers", "recompute", "time/iter", "memory (rank)"):
         table.add_column(col, justify="right")
     for s in plan.stages:
         table.add_row(

@@ -413,14 +413,16 @@ def to_plan(search: Search, results: list[Scored], stats: SearchStats) -> Plan:
     pb, gb, ob = state_bytes_per_param(search.c.dtype, cand.zero, cand.dp)
     total = pb + gb + ob
     ev = evaluate(best.problem, sol.bounds, sol.recompute, (pb / total, gb / total, ob / total))
-    stages = []
+    stages, m = [], cand.m
     for s, res in enumerate(ev.stages):
         stages.append(StagePlan(
             stage=s, pp_rank=best.problem.rank[s], layers=[sol.bounds[s], sol.bounds[s + 1]],
             recompute_layers=sol.recompute[s],
-            predicted_time_s={"forward": res.forward, "backward": res.backward, "recompute": res.recompute,
-                              "communication": res.communication, "total": res.total,
-                              "dp_sync": res.dp_sync, "optimizer": res.optimizer},
+            # Seconds per iteration on the stage (its m micro-batches; plan show divides by m): busy time
+            # without the bubble; dp_sync (exposed) and optimizer are the rank's once-per-iteration tail.
+            predicted_time_s={"forward": m * res.forward, "backward": m * res.backward,
+                              "recompute": m * res.recompute, "communication": m * res.communication,
+                              "total": m * res.total, "dp_sync": res.dp_sync, "optimizer": res.optimizer},
             predicted_memory_bytes={"parameters": res.parameters, "gradients": res.gradients,
                                     "optimizer": res.optimizer_state, "activations": res.activations,
                                     "total": res.memory_total}))
