@@ -48,6 +48,7 @@ def test_never_worse_than_a_pinned_plan(pins):
     model, cl, constraints, profile = _setup(2_000_000)
     free = find_plan(model, cl, constraints, profile)
     pinned = find_plan(model, cl, Constraints(**{**vars(constraints), **pins}), profile)
+    Plan.from_dict(json.loads(pinned.to_json()))  # every schedule's plan is a valid plan file
     assert free.predicted.iteration_time_s <= pinned.predicted.iteration_time_s * (1 + 1e-9)
     p = pinned.parallel
     for key, value in pins.items():
@@ -130,3 +131,18 @@ def test_cli_human_output(capsys):
     code = main(["tiny", "--cluster", "4xcpu", "--tp", "2"])
     out = capsys.readouterr().out
     assert code == 0 and "tp=2" in out and "predicted: iteration" in out and "search:" in out
+
+
+def test_progress_appears_only_after_a_second():
+    from planner.cli import DelayedProgress
+
+    now = [0.0]
+    progress = DelayedProgress("searching", delay_s=1.0)
+    progress.clock = lambda: now[0]
+    with progress:
+        progress(1, 10)
+        assert progress.bar is None  # fast searches print nothing
+        now[0] = 2.0
+        progress(5, 10)
+        assert progress.bar is not None
+        assert progress.bar.tasks[0].completed == 5 and progress.bar.tasks[0].total == 10
