@@ -31,7 +31,7 @@ from planner.cost_model import (
     state_bytes_per_param,
     zb_ratio,
 )
-from planner.errors import InfeasibleError
+from planner.errors import InfeasibleError, InputError
 from planner.ilp import PartitionSolver, Solution
 from planner.model_spec import ModelSpec
 from planner.placement import Placer, allowed_cuts, model_graph
@@ -326,6 +326,15 @@ def find_plan(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints, 
     search = Search(model, cluster, constraints, profile, solver, force_assignment)
     results = search.run(1 + constraints.top_k, progress)
     seconds = time.perf_counter() - start
+    if not search.considered:
+        pins = [f"--{k.replace('_', '-')} {v}" for k, v in (
+            ("dp", constraints.dp), ("tp", constraints.tp), ("pp", constraints.pp),
+            ("micro_batch_size", constraints.micro_batch_size), ("schedule", constraints.schedule),
+            ("virtual_stages", constraints.virtual_stages)) if v is not None]
+        raise InputError(f"{'/'.join(p.split()[0] for p in pins) or 'constraints'}: no parallel configuration of "
+                         f"{model.name} on {cluster.name} satisfies {' '.join(pins) or 'the constraints'} with global "
+                         f"batch {constraints.global_batch_size} (zero-bubble runs as ZB-V with 2 virtual stages, "
+                         "1f1b and zero-bubble need at least pp micro-batches, interleaved-1f1b a multiple of pp)")
     if not results:
         raise InfeasibleError(infeasible_message(search))
     stats = SearchStats(candidates=search.considered, feasible=search.feasible, seconds=round(seconds, 4),

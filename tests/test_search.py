@@ -146,3 +146,10 @@ def test_progress_appears_only_after_a_second():
         progress(5, 10)
         assert progress.bar is not None
         assert progress.bar.tasks[0].completed == 5 and progress.bar.tasks[0].total == 10
+
+
+def test_unsatisfiable_pins_are_bad_input(capsys):
+    code = main(["tiny", "--cluster", "4xcpu", "--pp", "2", "--schedule", "zero-bubble", "--virtual-stages", "3"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("plan: error: --pp/--schedule/--virtual-stages: no parallel configuration")
+    assert len(err.strip().splitlines()) == 1
