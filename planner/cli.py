@@ -98,6 +98,8 @@ def main_parser() -> argparse.ArgumentParser:
     o.add_argument("--top-k", type=positive_int, default=3, metavar="K", help="runner-up plans to keep (default: 3)")
     o.add_argument("--json", action="store_true", help="print the plan JSON to stdout")
     o.add_argument("-o", "--output", metavar="PATH", help="write the plan JSON to PATH")
+    o.add_argument("--pareto", metavar="OUT.png",
+                   help="draw predicted time vs memory of every candidate considered, the chosen one marked")
     return p
 
 
@@ -126,10 +128,18 @@ def run_main(argv: Sequence[str]) -> int:
         from profiler.source import profile_for
 
         profile = profile_for(model, cluster, constraints.dtype)
+    considered: list[tuple[float, float, str]] | None = [] if args.pareto else None
     with DelayedProgress("searching plans") as progress:
-        plan = find_plan(model, cluster, constraints, profile, progress=progress)
+        plan = find_plan(model, cluster, constraints, profile, progress=progress, considered=considered)
     if args.output:
         save_plan(plan, args.output)
+    if args.pareto:
+        from planner.pareto import plan_candidates, write_pareto
+
+        _, chosen = plan_candidates(plan)
+        write_pareto(considered, chosen, args.pareto, capacity_bytes=plan.cluster.device.memory_bytes,
+                     title=f"{model.name} on {cluster.name}: {len(considered)} candidates "
+                           "(solved: predicted; pruned: lower bounds)")
     if args.json:
         print(plan.to_json())
     else:
@@ -138,6 +148,8 @@ def run_main(argv: Sequence[str]) -> int:
         print_plan(plan)
         if args.output:
             print(f"plan written to {args.output}")
+        if args.pareto:
+            print(f"time vs memory of {len(considered)} candidates written to {args.pareto}")
     return 0
 
 

@@ -138,6 +138,8 @@ class Search:
         self.considered = 0
         self.feasible = 0
         self.memory_pruned: list[tuple[float, int, Candidate]] = []
+        # (time lower bound, memory lower bound, candidate) of everything considered, for `--pareto`.
+        self.bounds_seen: list[tuple[float, float, Candidate]] = []
         self.quick = _Quick(model)
 
     def problem(self, cand: Candidate) -> StageProblem:
@@ -238,6 +240,7 @@ class Search:
         for index, cand in enumerate(candidates(self.model, self.cluster, self.c, self.placer)):
             self.considered += 1
             bound, ratio = self.bounds(cand)
+            self.bounds_seen.append((bound, ratio * self.mem_limit, cand))
             if ratio > 1.0:
                 self.memory_pruned.append((self.demand(cand), index, cand))
                 continue
@@ -311,10 +314,13 @@ def _replace(cand: Candidate, **kw) -> Candidate:
 
 
 def find_plan(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints, profile=None,
-              progress: Progress | None = None, solver: str | None = None, force_assignment: bool = False) -> Plan:
+              progress: Progress | None = None, solver: str | None = None, force_assignment: bool = False,
+              considered: list[tuple[float, float, str]] | None = None) -> Plan:
     """The plan with the least predicted iteration time that fits every device (exit 3 otherwise).
     `solver`: "HiGHS" or "CBC" (default: HiGHS when highspy is installed); `force_assignment`: use the
-    binary layer → stage ILP even where the per-rank count ILP is exact (identical blocks)."""
+    binary layer → stage ILP even where the per-rank count ILP is exact (identical blocks).
+    `considered`, when given, receives (time, peak memory, label) of every candidate: the exact prediction
+    for those the ILP solved, the lower bounds for those pruned before solving."""
     if profile is None:
         from profiler.source import profile_for
 
@@ -326,6 +332,14 @@ def find_plan(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints, 
     search = Search(model, cluster, constraints, profile, solver, force_assignment)
     results = search.run(1 + constraints.top_k, progress)
     seconds = time.perf_counter() - start
+    if considered is not None:
+        solved = {r.cand: r for r in results}
+        for bound, memory, cand in search.bounds_seen:
+            if cand in solved:
+                r = solved[cand]
+                ev = evaluate(r.problem, r.solution.bounds, r.solution.recompute)
+                bound, memory = ev.iteration_time, max(ev.rank_memory)
+            considered.append((bound, memory, describe(cand)))
     if not search.considered:
         pins = [f"--{k.replace('_', '-')} {v}" for k, v in (
             ("dp", constraints.dp), ("tp", constraints.tp), ("pp", constraints.pp),

@@ -74,3 +74,10 @@ def test_help_documents_every_subcommand(capsys):
 def test_console_script_installed():
     proc = subprocess.run([sys.executable, "-m", "planner", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "usage: plan" in proc.stdout
+
+
+def test_pareto_of_every_candidate(capsys, tmp_path):
+    out = tmp_path / "pareto.png"
+    code, stdout, _ = run(capsys, "gpt2", "--cluster", "4xa100-80gb", "--pareto", str(out))
+    assert code == 0 and out.stat().st_size > 10_000
+    assert "candidates written to" in stdout
