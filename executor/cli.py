@@ -78,6 +78,9 @@ def check_supported(plan: Plan) -> None:
         raise InputError(f"plan.parallel.seq_len: {p.seq_len} must be a multiple of tp={p.tp} with sequence parallel")
     if spec.position == "learned" and p.seq_len > spec.max_seq_len:
         raise InputError(f"plan.parallel.seq_len: {p.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}")
+    if p.schedule == "zero-bubble" and p.zero >= 3 and p.dp > 1:
+        raise InputError("plan.parallel.zero: zero-bubble schedules split backward into input and weight passes, "
+                         "which FSDP2 with ZeRO-3 resharding gets wrong in this PyTorch; use zero <= 2 or 1f1b")
     if p.schedule == "zero-bubble" and p.virtual_stages not in (1, 2) and p.num_micro_batches % p.pp:
         raise InputError(f"plan.parallel.num_micro_batches: zero-bubble with {p.virtual_stages} virtual stages "
                          f"needs a multiple of pp={p.pp}")
