@@ -114,6 +114,24 @@ def _single_process_env() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+def init_distributed(backend: str) -> None:
+    """init_process_group on a store prefixed by torchrun's restart count: after a restart
+    (--max-restarts) the agent's store still holds the dead workers' addresses, which a plain env://
+    init reads back (gloo then fails to connect)."""
+    timeout = datetime.timedelta(minutes=10)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timeout,
+                          multi_tenant=not agent_store)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"meshplan/attempt_{attempt}", store),
+                            rank=rank, world_size=world, timeout=timeout)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     rank = os.environ.get("RANK", "0")
@@ -134,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     _single_process_env()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    init_distributed(backend)
     try:
         cfg = TrainConfig(steps=args.steps, seed=args.seed, lr=args.lr, warmup_steps=args.warmup_steps,
                           weight_decay=args.weight_decay, grad_clip=args.grad_clip, metrics=args.metrics,
