@@ -73,10 +73,10 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
                              foreach=False if mixed else None)
 
 
-def grad_norm_sq(params: list[nn.Parameter], replicas: int) -> torch.Tensor:
-    """This rank's share of the squared global gradient norm: each distinct shard counted once over the
-    world (a shard held by k ranks contributes 1/k on each)."""
-    total = torch.zeros((), dtype=torch.float64)
+def local_grads(params: list[nn.Parameter], replicas: int) -> dict[float, list[torch.Tensor]]:
+    """Local gradient tensors grouped by their weight in the global norm: a shard held by k ranks counts
+    1/k on each, so that summing over the world counts every distinct shard once."""
+    groups: dict[float, list[torch.Tensor]] = {}
     for p in params:
         g = p.grad
         if g is None:
@@ -87,7 +87,16 @@ def grad_norm_sq(params: list[nn.Parameter], replicas: int) -> torch.Tensor:
                 if isinstance(placement, Shard):
                     shards *= g.device_mesh.size(dim)
             g = g.to_local()
-        total += g.detach().double().pow(2).sum().cpu() * shards / replicas
+        groups.setdefault(shards / replicas, []).append(g)
+    return groups
+
+
+def grad_norm_sq(groups: dict[float, list[torch.Tensor]]) -> torch.Tensor:
+    """This rank's share of the squared global gradient norm (all-reduce SUM it over the world)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for weight, grads in groups.items():
+        norms = torch._foreach_norm(grads)
+        total += torch.stack(norms).double().pow(2).sum().cpu() * weight
     return total
 
 
@@ -180,7 +189,8 @@ class Trainer:
     def clip_and_step(self, step: int) -> float:
         """Global-norm clipping over every shard of every stage, then AdamW (skipped on fp16 overflow)."""
         p = self.plan.parallel
-        sq = grad_norm_sq(self.params, p.dp * p.tp)
+        groups = local_grads(self.params, p.dp * p.tp)
+        sq = grad_norm_sq(groups)
         if self.world > 1:
             dist.all_reduce(sq)
         norm = math.sqrt(sq.item()) / self.scaler.scale
@@ -188,9 +198,8 @@ class Trainer:
         if finite:
             coef = min(1.0, self.cfg.grad_clip / (norm + 1e-6)) / self.scaler.scale
             if coef != 1.0:
-                for q in self.params:
-                    if q.grad is not None:
-                        q.grad.mul_(coef)
+                for grads in groups.values():
+                    torch._foreach_mul_(grads, coef)
             lr = self.cfg.lr * lr_multiplier(step, self.cfg)
             for opt in self.optims:
                 for group in opt.param_groups:
@@ -200,6 +209,12 @@ class Trainer:
         for opt in self.optims:
             opt.zero_grad(set_to_none=True)
         return norm
+
+    def train_step(self, step: int) -> tuple[float, float]:
+        """One optimizer step over the global batch of `step` (0-based): (global mean loss, grad norm)."""
+        local = self.forward_backward(step)
+        norm = self.clip_and_step(step)
+        return self.global_loss(local), norm
 
     def global_loss(self, local: torch.Tensor) -> float:
         """Mean over the global batch: the last stage's tp ranks all hold their dp shard's mean."""
@@ -224,9 +239,7 @@ class Trainer:
         for step in range(start, cfg.steps):
             self._maybe_fail(step)
             t0 = time.perf_counter()
-            local = self.forward_backward(step)
-            norm = self.clip_and_step(step)
-            loss = self.global_loss(local)
+            loss, norm = self.train_step(step)
             dt = time.perf_counter() - t0
             mem = self._peak_memory()
             losses.append(loss)
