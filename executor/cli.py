@@ -16,6 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from executor.checks import check_supported
 from executor.data import DATA_DTYPES
 from executor.pipeline import local_stages
 from executor.train import TrainConfig, Trainer
@@ -56,34 +57,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.resume and not args.checkpoint_dir:
         raise InputError("--resume: needs --checkpoint-dir")
     return args
-
-
-def check_supported(plan: Plan) -> None:
-    """Refuse, before starting, what this executor cannot run exactly as planned."""
-    spec, p = plan.model, plan.parallel
-    if spec.arch not in ("gpt2", "llama"):
-        raise InputError(f"plan.model.arch: the executor builds gpt2/llama models, not '{spec.arch}' "
-                         f"({spec.factory or spec.name})")
-    if spec.tied_embeddings and p.pp > 1:
-        first = next(s for s in plan.stages if s.layers[0] == 0)
-        last = plan.stages[-1]
-        if first.stage != last.stage:
-            raise InputError(f"plan.stages: model '{spec.name}' ties its embedding and LM head, which the plan puts "
-                             f"on different pipeline stages ({first.stage} and {last.stage}); not supported")
-    for what, n in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
-                    ("ffn_hidden_size", spec.ffn_hidden_size)):
-        if n % p.tp:
-            raise InputError(f"plan.parallel.tp: {p.tp} does not divide the model's {what} = {n}")
-    if p.sequence_parallel and p.seq_len % p.tp:
-        raise InputError(f"plan.parallel.seq_len: {p.seq_len} must be a multiple of tp={p.tp} with sequence parallel")
-    if spec.position == "learned" and p.seq_len > spec.max_seq_len:
-        raise InputError(f"plan.parallel.seq_len: {p.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}")
-    if p.schedule == "zero-bubble" and p.zero >= 3 and p.dp > 1:
-        raise InputError("plan.parallel.zero: zero-bubble schedules split backward into input and weight passes, "
-                         "which FSDP2 with ZeRO-3 resharding gets wrong in this PyTorch; use zero <= 2 or 1f1b")
-    if p.schedule == "zero-bubble" and p.virtual_stages not in (1, 2) and p.num_micro_batches % p.pp:
-        raise InputError(f"plan.parallel.num_micro_batches: zero-bubble with {p.virtual_stages} virtual stages "
-                         f"needs a multiple of pp={p.pp}")
 
 
 def pick_device(plan: Plan, local_rank: int) -> tuple[torch.device, str]:

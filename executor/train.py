@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from executor import checkpoint
+from executor.checks import check_supported
 from executor.data import Shard as DataShard
 from executor.data import SyntheticData, TokenFile
 from executor.metrics import Metrics, fmt_bytes, log, peak_memory_bytes
@@ -76,9 +77,16 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
                              foreach=False if mixed else None)
 
 
-def local_grads(params: list[nn.Parameter], replicas: int) -> dict[float, list[torch.Tensor]]:
+def local_grad(p: nn.Parameter) -> torch.Tensor | None:
+    g = p.grad
+    return g.to_local() if isinstance(g, DTensor) else g
+
+
+def local_grads(params: list[nn.Parameter], replicas: int, exclude: frozenset[int] = frozenset()
+                ) -> dict[float, list[torch.Tensor]]:
     """Local gradient tensors grouped by their weight in the global norm: a shard held by k ranks counts
-    1/k on each, so that summing over the world counts every distinct shard once."""
+    1/k on each, so that summing over the world counts every distinct shard once. `exclude`: ids of
+    parameters that are copies of another (a tied LM head on another stage), weight 0."""
     groups: dict[float, list[torch.Tensor]] = {}
     for p in params:
         g = p.grad
@@ -90,7 +98,7 @@ def local_grads(params: list[nn.Parameter], replicas: int) -> dict[float, list[t
                 if isinstance(placement, Shard):
                     shards *= g.device_mesh.size(dim)
             g = g.to_local()
-        groups.setdefault(shards / replicas, []).append(g)
+        groups.setdefault(0.0 if id(p) in exclude else shards / replicas, []).append(g)
     return groups
 
 
@@ -98,6 +106,8 @@ def grad_norm_sq(groups: dict[float, list[torch.Tensor]]) -> torch.Tensor:
     """This rank's share of the squared global gradient norm (all-reduce SUM it over the world)."""
     total = torch.zeros((), dtype=torch.float64)
     for weight, grads in groups.items():
+        if weight == 0.0:
+            continue
         norms = torch._foreach_norm(grads)
         total += torch.stack(norms).double().pow(2).sum().cpu() * weight
     return total
@@ -125,6 +135,7 @@ class Trainer:
     """One plan on an initialised default process group (several Trainers may share it, one after another)."""
 
     def __init__(self, plan: Plan, cfg: TrainConfig, device: torch.device):
+        check_supported(plan)
         self.plan, self.cfg, self.device = plan, cfg, device
         self.dims: ParallelDims = build_parallel_dims(plan, device)
         p = plan.parallel
@@ -134,6 +145,8 @@ class Trainer:
         self.optims = [make_optimizer(m, cfg) for m in self.modules]
         self.params = [q for m in self.modules for q in m.parameters()]
         self.scaler = LossScaler(p.dtype == "fp16")
+        self.tied_split = plan.model.tied_embeddings and len(plan.stages) > 1
+        self.tied_group, self.tied_copies = self._tied_setup()
         self.schedule = apply_pp(plan, self.dims, self.modules, self._scaled_loss) if p.pp > 1 else None
         self.has_first = any(s.stage == 0 for s in self.stage_plans)
         self.has_last = any(s.stage == len(plan.stages) - 1 for s in self.stage_plans)
@@ -156,6 +169,39 @@ class Trainer:
             apply_dp(model, self.dims.mesh["dp"], p)
         materialise(model, self.device, self.cfg.seed)
         return model
+
+    def _tied_setup(self) -> tuple[dist.ProcessGroup | None, frozenset[int]]:
+        """A tied embedding/LM head split over pipeline stages (Megatron-LM): the last stage keeps its own
+        copy of the weight, initialised alike; after backward the two gradients are summed between the
+        first and last stage ranks of each (dp, tp) position, so both copies take identical steps. The
+        copy is left out of the gradient norm."""
+        plan, p = self.plan, self.plan.parallel
+        if not plan.model.tied_embeddings or len(plan.stages) == 1:
+            return None, frozenset()
+        copies = frozenset(id(m.head.output.weight) for m in self.modules if m.head is not None)
+        first, last = plan.stages[0].pp_rank, plan.stages[-1].pp_rank
+        if first == last:  # V placement: both stages on this rank
+            return None, copies
+        grid, mine = self.dims.mesh.mesh, None
+        for d in range(p.dp):
+            for t in range(p.tp):
+                ranks = [int(grid[first, d, t]), int(grid[last, d, t])]
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    mine = group
+        return mine, copies
+
+    def _sync_tied(self) -> None:
+        if not self.tied_split:
+            return
+        emb = [local_grad(m.embedding.tok.weight) for m in self.modules if m.embedding is not None]
+        head = [local_grad(m.head.output.weight) for m in self.modules if m.head is not None]
+        if emb and head:
+            total = emb[0] + head[0]
+            emb[0].copy_(total)
+            head[0].copy_(total)
+        elif self.tied_group is not None and (emb or head):
+            dist.all_reduce((emb or head)[0], group=self.tied_group)
 
     def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return loss_fn(logits, targets) * self.scaler.scale
@@ -192,7 +238,8 @@ class Trainer:
     def clip_and_step(self, step: int) -> float:
         """Global-norm clipping over every shard of every stage, then AdamW (skipped on fp16 overflow)."""
         p = self.plan.parallel
-        groups = local_grads(self.params, p.dp * p.tp)
+        self._sync_tied()
+        groups = local_grads(self.params, p.dp * p.tp, self.tied_copies)
         sq = grad_norm_sq(groups)
         if self.world > 1:
             dist.all_reduce(sq)

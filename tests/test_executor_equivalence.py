@@ -3,9 +3,11 @@ relative (fp32, gloo, 4 processes, one torchrun launch for all plans)."""
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 
+from planner.model_sources import builtin_model
 from planner.plan import save_plan
 from tests.executor_worker import reference_losses, torchrun
 from tests.helpers import make_plan
@@ -27,7 +29,18 @@ PLANS = {  # the issue's eight shapes first, then other schedule x zero x recomp
     "pp2-gpipe-zero1xdp2": dict(pp=2, dp=2, schedule="gpipe", zero=1, micro_batch_size=2, num_micro_batches=2),
     "dp2xtp2-sp-selective-zero2": dict(dp=2, tp=2, zero=2, sequence_parallel=True, recompute="selective",
                                        micro_batch_size=2, num_micro_batches=2),
+    # tied embedding / LM head on different stages (gradients summed between first and last stage)
+    "tied-pp2xdp2-zero3": dict(tied=True, pp=2, dp=2, zero=3, micro_batch_size=2, num_micro_batches=2),
+    "tied-pp2-zbv-v2xtp2": dict(tied=True, pp=2, tp=2, virtual_stages=2, schedule="zero-bubble",
+                                micro_batch_size=2, num_micro_batches=2),
 }
+
+
+def build(tied: bool = False, **kwargs):
+    plan = make_plan(cluster="4xcpu", **kwargs)
+    if tied:  # the tiny model with its LM head tied to the embedding
+        plan.model = replace(builtin_model("tiny"), name="tiny-tied", tied_embeddings=True, layers=())
+    return plan
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +49,7 @@ def results(tmp_path_factory):
     paths = {}
     for name, kwargs in PLANS.items():
         paths[name] = str(tmp / f"{name}.json")
-        save_plan(make_plan(cluster="4xcpu", **kwargs), paths[name])
+        save_plan(build(**kwargs), paths[name])
     spec = tmp / "spec.json"
     spec.write_text(json.dumps({"steps": STEPS, "seed": SEED, "plans": paths}))
     out = tmp / "out.json"
