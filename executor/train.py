@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from executor import checkpoint
 from executor.checks import check_supported
@@ -75,11 +75,6 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
                              foreach=False if mixed else None)
-
-
-def local_grad(p: nn.Parameter) -> torch.Tensor | None:
-    g = p.grad
-    return g.to_local() if isinstance(g, DTensor) else g
 
 
 def local_grads(params: list[nn.Parameter], replicas: int, exclude: frozenset[int] = frozenset()
@@ -192,16 +187,23 @@ class Trainer:
         return mine, copies
 
     def _sync_tied(self) -> None:
+        """Sum the two copies' gradients (as full tensors: the sides may be laid out differently, e.g.
+        a vocab-parallel embedding's gradient comes back replicated) and write the sum into both."""
         if not self.tied_split:
             return
-        emb = [local_grad(m.embedding.tok.weight) for m in self.modules if m.embedding is not None]
-        head = [local_grad(m.head.output.weight) for m in self.modules if m.head is not None]
-        if emb and head:
-            total = emb[0] + head[0]
-            emb[0].copy_(total)
-            head[0].copy_(total)
-        elif self.tied_group is not None and (emb or head):
-            dist.all_reduce((emb or head)[0], group=self.tied_group)
+        grads = [m.embedding.tok.weight.grad for m in self.modules if m.embedding is not None]
+        grads += [m.head.output.weight.grad for m in self.modules if m.head is not None]
+        if not grads:
+            return
+        fulls = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]
+        total = fulls[0] + fulls[1] if len(fulls) == 2 else fulls[0].clone()
+        if len(fulls) == 1:
+            dist.all_reduce(total, group=self.tied_group)
+        for g in grads:
+            if isinstance(g, DTensor):
+                g.to_local().copy_(distribute_tensor(total, g.device_mesh, g.placements, src_data_rank=None).to_local())
+            else:
+                g.copy_(total)
 
     def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return loss_fn(logits, targets) * self.scaler.scale
