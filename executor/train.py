@@ -244,6 +244,7 @@ class Trainer:
         groups = local_grads(self.params, p.dp * p.tp, self.tied_copies)
         sq = grad_norm_sq(groups)
         if self.world > 1:
+            sq = sq.to(self.device)  # NCCL reduces device tensors only
             dist.all_reduce(sq)
         norm = math.sqrt(sq.item()) / self.scaler.scale
         finite = math.isfinite(norm)
@@ -273,7 +274,7 @@ class Trainer:
         p = self.plan.parallel
         if self.world == 1:
             return float(local)
-        t = local.clone()
+        t = local.to(self.device, copy=True)
         dist.all_reduce(t)
         return float(t) / (p.dp * p.tp)
 
@@ -316,7 +317,7 @@ class Trainer:
         mem, _ = peak_memory_bytes(self.device)
         if self.world == 1:
             return mem
-        t = torch.tensor(mem, dtype=torch.int64, device=self.device if self.device.type == "cuda" else "cpu")
+        t = torch.tensor(mem, dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t)
 
