@@ -1,4 +1,6 @@
+"""meshplan executor: runs a plan JSON with torch.distributed (`torchrun ... -m executor PLAN.json`)."""
 import sys
 
-print("executor: error: not implemented yet in this version of meshplan (see the Executor issue)", file=sys.stderr)
-sys.exit(2)
+from executor.cli import main
+
+sys.exit(main())

@@ -1,0 +1,28 @@
+"""What this executor cannot run exactly as planned, refused before any process group exists."""
+
+from __future__ import annotations
+
+from planner.errors import InputError
+from planner.plan import Plan
+
+
+def check_supported(plan: Plan) -> None:
+    """Refuse, before starting, what this executor cannot run exactly as planned."""
+    spec, p = plan.model, plan.parallel
+    if spec.arch not in ("gpt2", "llama"):
+        raise InputError(f"plan.model.arch: the executor builds gpt2/llama models, not '{spec.arch}' "
+                         f"({spec.factory or spec.name})")
+    for what, n in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
+                    ("ffn_hidden_size", spec.ffn_hidden_size)):
+        if n % p.tp:
+            raise InputError(f"plan.parallel.tp: {p.tp} does not divide the model's {what} = {n}")
+    if p.sequence_parallel and p.seq_len % p.tp:
+        raise InputError(f"plan.parallel.seq_len: {p.seq_len} must be a multiple of tp={p.tp} with sequence parallel")
+    if spec.position == "learned" and p.seq_len > spec.max_seq_len:
+        raise InputError(f"plan.parallel.seq_len: {p.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}")
+    if p.schedule == "zero-bubble" and p.zero >= 3 and p.dp > 1:
+        raise InputError("plan.parallel.zero: zero-bubble schedules split backward into input and weight passes, "
+                         "which FSDP2 with ZeRO-3 resharding gets wrong in this PyTorch; use zero <= 2 or 1f1b")
+    if p.schedule == "zero-bubble" and p.virtual_stages not in (1, 2) and p.num_micro_batches % p.pp:
+        raise InputError(f"plan.parallel.num_micro_batches: zero-bubble with {p.virtual_stages} virtual stages "
+                         f"needs a multiple of pp={p.pp}")

@@ -1,0 +1,89 @@
+"""Metrics JSONL (DESIGN §4) and the console log, both written by global rank 0 only.
+
+Step lines hold exactly step, loss, step_time_s, tokens_per_s, peak_memory_bytes; the final summary
+line holds the plan's predicted iteration time and the measured median after warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import sys
+
+import torch
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
+    """Peak memory of this process and where the figure comes from: the CUDA caching allocator's peak
+    on GPU; on CPU the peak resident set size (getrusage ru_maxrss, kilobytes on Linux), which includes
+    the Python interpreter and libraries (psutil has no peak RSS on Linux, so it is not used)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda.max_memory_allocated"
+    scale = 1 if sys.platform == "darwin" else 1024
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale), "ru_maxrss (peak RSS)"
+
+
+def warmup_steps(n: int) -> int:
+    """Steps left out of the measured median: the first (shape inference, allocator, lazy init), and a
+    tenth of a long run."""
+    return 0 if n <= 1 else max(1, n // 10)
+
+
+class Metrics:
+    def __init__(self, path: str | None, enabled: bool, keep_until_step: int | None = None):
+        self.enabled = enabled
+        self.fh = None
+        self.step_times: list[float] = []
+        if enabled and path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            kept: list[str] = []
+            if keep_until_step is not None and os.path.exists(path):  # resuming: drop steps redone
+                with open(path, encoding="utf-8") as fh:
+                    for line in fh:
+                        try:
+                            rec = json.loads(line)
+                        except json.JSONDecodeError:
+                            continue
+                        if "step" in rec and rec["step"] <= keep_until_step:
+                            kept.append(line if line.endswith("\n") else line + "\n")
+            self.fh = open(path, "w", encoding="utf-8")
+            self.fh.writelines(kept)
+            self.fh.flush()
+
+    def step(self, step: int, loss: float, step_time_s: float, tokens: int, peak_memory: int) -> None:
+        self.step_times.append(step_time_s)
+        if not self.enabled:
+            return
+        rec = {"step": step, "loss": loss, "step_time_s": step_time_s,
+               "tokens_per_s": tokens / step_time_s if step_time_s > 0 else 0.0, "peak_memory_bytes": peak_memory}
+        if self.fh:
+            self.fh.write(json.dumps(rec) + "\n")
+            self.fh.flush()
+
+    def measured(self) -> float:
+        times = self.step_times[warmup_steps(len(self.step_times)):]
+        return statistics.median(times) if times else 0.0
+
+    def summary(self, predicted_s: float) -> dict:
+        rec = {"summary": True, "predicted_iteration_time_s": predicted_s,
+               "measured_iteration_time_s": self.measured()}
+        if self.enabled and self.fh:
+            self.fh.write(json.dumps(rec) + "\n")
+            self.fh.close()
+            self.fh = None
+        return rec
+
+
+def log(enabled: bool, text: str) -> None:
+    if enabled:
+        print(text, flush=True)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

@@ -1,0 +1,50 @@
+"""ParallelDims: the plan's (pp, dp, tp) degrees, this process's place in them, and the DeviceMesh.
+
+Rank layout is row-major over ("pp", "dp", "tp"): tp is innermost so tensor-parallel groups are
+consecutive ranks, i.e. inside one node under torchrun (DESIGN §5: TP stays inside a node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from planner.plan import MESH_DIMS, Plan
+
+
+@dataclass
+class ParallelDims:
+    pp: int
+    dp: int
+    tp: int
+    device: torch.device
+    mesh: DeviceMesh
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    @property
+    def pp_rank(self) -> int:
+        return self.mesh["pp"].get_local_rank()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh["tp"].get_local_rank()
+
+
+def build_parallel_dims(plan: Plan, device: torch.device) -> ParallelDims:
+    """One mesh per plan over the already initialised default process group. With gloo the mesh is
+    built with device_type="cpu" even where GPUs exist (FSDP2 would otherwise move parameters to CUDA)."""
+    p = plan.parallel
+    if dist.get_world_size() != p.world_size:
+        raise RuntimeError(f"world size {dist.get_world_size()} != plan's {p.world_size}")
+    mesh = init_device_mesh(device.type, (p.pp, p.dp, p.tp), mesh_dim_names=tuple(MESH_DIMS))
+    return ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, device=device, mesh=mesh)

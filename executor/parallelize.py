@@ -1,0 +1,149 @@
+"""apply_tp / apply_ac / apply_dp and deterministic materialisation of one pipeline stage's module.
+
+Order (torchtitan, DESIGN §7): the stage is cut first (pipeline.py), then TP -> AC -> FSDP/replicate,
+all on the meta device; `materialise` then allocates only this rank's shards and fills them from the
+FULL initial value of each parameter, so every plan starts from the same model.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from executor.model import Transformer, init_value
+from planner.plan import ParallelConfig
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+WRAPPED = "_checkpoint_wrapped_module."
+
+
+def vocab_parallel(model: Transformer, tp: int) -> bool:
+    """Embedding and LM head are sharded over the vocabulary when it divides evenly, else replicated."""
+    return model.spec.vocab_size % tp == 0
+
+
+def _gather_sequence() -> PrepareModuleInput:
+    return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Megatron-style TP with DTensor: q/k/v and w1/w3 column-wise, wo and w2 row-wise; vocab-parallel
+    embedding and head; with sequence parallel the norms run on sequence shards and every block's
+    input and output is a local tensor sharded on the sequence dim (use_local_output=True)."""
+    tp = tp_mesh.size()
+    spec = model.spec
+    for what, n in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
+                    ("ffn_hidden_size", spec.ffn_hidden_size)):
+        if n % tp:
+            raise ValueError(f"plan.parallel.tp: {tp} does not divide the model's {what} = {n}")
+    seq = Shard(1) if sequence_parallel else Replicate()
+    tied = spec.tied_embeddings and model.embedding is not None and model.head is not None
+    vocab = vocab_parallel(model, tp)
+    if model.embedding is not None:
+        if vocab:
+            parallelize_module(model.embedding, tp_mesh, {"tok": RowwiseParallel(input_layouts=Replicate())})
+        if sequence_parallel:  # after positions are added: shard the sequence for the first block
+            parallelize_module(model.embedding, tp_mesh, PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True))
+    for block in model.blocks.values():
+        layer_plan: dict = {
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if spec.mlp == "swiglu":
+            layer_plan["feed_forward.w3"] = ColwiseParallel()
+        if sequence_parallel:
+            layer_plan.update({
+                "attention_norm": SequenceParallel(use_local_output=True),
+                "ffn_norm": SequenceParallel(use_local_output=True),
+                "attention": _gather_sequence(), "feed_forward": _gather_sequence(),
+            })
+        parallelize_module(block, tp_mesh, layer_plan)
+    if model.head is not None:
+        head_plan: dict = {}
+        if sequence_parallel:
+            head_plan["norm"] = SequenceParallel(use_local_output=True)
+            if not vocab:
+                head_plan["output"] = _gather_sequence()
+        if vocab:
+            head_plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+        if head_plan:
+            parallelize_module(model.head, tp_mesh, head_plan)
+    if tied:  # both sides were sharded Shard(0) over the vocabulary: share one parameter again
+        model.head.output.weight = model.embedding.tok.weight
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective recompute (Korthikanti et al.): keep matmul outputs, recompute the cheap rest
+    (attention softmax, activations, norms)."""
+    save = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten.linear.default)
+    return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_ac(model: Transformer, recompute: str, num_layers: int) -> None:
+    """Wrap the stage's first `num_layers` blocks (full) or all its blocks (selective) in
+    activation checkpointing."""
+    if recompute == "none":
+        return
+    names = list(model.blocks.keys())
+    if recompute == "full":
+        names = names[:num_layers]
+    for name in names:
+        if recompute == "full":
+            wrapped = checkpoint_wrapper(model.blocks[name], preserve_rng_state=False)
+        else:
+            wrapped = checkpoint_wrapper(model.blocks[name], preserve_rng_state=False,
+                                         context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
+        model.blocks[name] = wrapped
+
+
+def apply_dp(model: Transformer, dp_mesh: DeviceMesh, cfg: ParallelConfig) -> None:
+    """ZeRO-3: FSDP2 resharding after forward; ZeRO-1/2: FSDP2 keeping parameters gathered between
+    forward and backward (optimizer state and gradients sharded); ZeRO-0: replicate (DDP semantics on
+    FSDP2's engine, composable with TP DTensors and pipelining). Each block is its own group, so its
+    gradient reduction starts as soon as its backward is done (overlap with the rest of backward)."""
+    dtype = TORCH_DTYPES[cfg.dtype]
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    if cfg.zero == 0:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        wrap = partial(replicate, mesh=dp_mesh, mp_policy=mp)
+    else:
+        wrap = partial(fully_shard, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=cfg.zero >= 3)
+    for block in model.blocks.values():
+        wrap(block)
+    wrap(model)
+
+
+def param_name(name: str) -> str:
+    """The unsharded FQN of a parameter in the full Transformer."""
+    return name.replace(WRAPPED, "")
+
+
+@torch.no_grad()
+def materialise(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate this rank's shards and copy in the slices of each parameter's full initial value."""
+    model.to_empty(device=device)
+    spec = model.spec
+    for name, p in model.named_parameters():
+        full = init_value(param_name(name), p.shape, spec, seed)
+        if isinstance(p, DTensor):
+            p.copy_(distribute_tensor(full.to(device), p.device_mesh, p.placements, src_data_rank=None))
+        else:
+            p.copy_(full)

@@ -1,0 +1,96 @@
+"""Runs several plans one after another on one torchrun process group (saves process start-up in the
+multi-process tests): `torchrun --nproc-per-node N tests/executor_worker.py SPEC.json OUT.json`.
+
+SPEC: {"steps": K, "seed": S, "plans": {"name": "plan.json", ...}}; OUT (rank 0): {"name": [losses]}
+or {"name": "error: ..."} when a plan failed.
+"""
+
+import json
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from executor.train import TrainConfig, Trainer
+from planner.plan import load_plan
+
+
+def main() -> None:
+    spec_path, out_path = sys.argv[1], sys.argv[2]
+    with open(spec_path) as fh:
+        spec = json.load(fh)
+    dist.init_process_group("gloo")
+    out = {}
+    for name, path in spec["plans"].items():
+        cfg = TrainConfig(steps=spec["steps"], seed=spec["seed"], quiet=True)
+        try:
+            out[name] = Trainer(load_plan(path), cfg, torch.device("cpu")).run()
+        except Exception as exc:  # report and go on with the next plan (all ranks fail alike)
+            traceback.print_exc()
+            out[name] = f"error: {type(exc).__name__}: {exc}"
+        dist.barrier()
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as fh:
+            json.dump(out, fh)
+    dist.destroy_process_group()
+
+
+
+def reference_losses(plan_path: str, steps: int, seed: int, tokens=None) -> list[float]:
+    """A plain single-process PyTorch loop over the full model and the same global batches: what every
+    plan must reproduce. `tokens`: a TokenFile-like source instead of the synthetic stream."""
+    from executor.data import SyntheticData
+    from executor.model import Transformer, init_weights, loss_fn
+    from executor.train import lr_multiplier, make_optimizer
+
+    plan = load_plan(plan_path)
+    p, cfg = plan.parallel, TrainConfig(steps=steps, seed=seed)
+    torch.manual_seed(0)
+    model = Transformer(plan.model)
+    init_weights(model, seed)
+    opt = make_optimizer(model, cfg)
+    data = tokens or SyntheticData(plan.model.vocab_size, p.seq_len, p.global_batch_size, seed)
+    losses = []
+    for step in range(steps):
+        batch = data.batch(step)
+        loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr * lr_multiplier(step, cfg)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+
+def repo_root() -> str:
+    import os
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(args: list[str], nproc: int, timeout: float = 240, extra_env: dict | None = None,
+             torchrun_args: list[str] | None = None):
+    """Run `torchrun --nproc-per-node nproc ... ARGS` (ARGS start with `-m executor` or a script) on a free
+    port, with the worktree on PYTHONPATH; returns the CompletedProcess."""
+    import os
+    import subprocess
+    env = {**os.environ, "PYTHONPATH": repo_root(), "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    launcher += torchrun_args if torchrun_args is not None else ["--master-addr", "127.0.0.1",
+                                                                 "--master-port", str(free_port())]
+    return subprocess.run(launcher + args, env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=repo_root())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The executor's command line: refusals (one line per rank, non-zero exit, no traceback), metrics JSONL
+(DESIGN §4) and a token file given with --data."""
+
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from executor.cli import main
+from executor.data import TokenFile
+from planner.plan import save_plan
+from tests.executor_worker import free_port, reference_losses, repo_root, torchrun
+from tests.helpers import make_plan
+
+
+@pytest.fixture
+def run_executor(monkeypatch, capsys):
+    """Call the executor's main() in this process (no interpreter start-up): a world of one."""
+    def run(*args: str) -> subprocess.CompletedProcess:
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv("RANK", "0")  # restored after the test, also what main() adds
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        code = main(list(args))
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out.out, out.err)
+    return run
+
+
+def one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("executor: error:")]
+    assert lines, proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_world_size_mismatch_single_process(tmp_path, run_executor):
+    path = tmp_path / "plan.json"
+    save_plan(make_plan(dp=2, cluster="2xcpu"), str(path))
+    one_line_error(run_executor(str(path)), "plan.world_size", "needs 2 processes", "1 were launched")
+
+
+def test_invalid_plan_names_the_field(tmp_path, run_executor):
+    path = tmp_path / "plan.json"
+    data = make_plan(cluster="1xcpu").to_dict()
+    data["parallel"]["schedule"] = "2f2b"
+    path.write_text(json.dumps(data))
+    one_line_error(run_executor(str(path)), "plan.parallel.schedule")
+    one_line_error(run_executor(str(tmp_path / "missing.json")), "cannot read")
+
+
+def test_gpu_plan_without_cuda_is_refused(tmp_path, run_executor):
+    pytest.importorskip("torch")
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    path = tmp_path / "plan.json"
+    save_plan(make_plan(cluster="1xa100-80gb"), str(path))
+    one_line_error(run_executor(str(path)), "plan.cluster", "CUDA is not available")
+
+
+def test_unsupported_combination_is_refused(tmp_path, run_executor, monkeypatch):
+    path = tmp_path / "plan.json"
+    save_plan(make_plan(pp=2, dp=2, zero=3, schedule="zero-bubble", virtual_stages=2, num_micro_batches=4),
+              str(path))
+    one_line_error(run_executor(str(path)), "plan.world_size")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main([str(path)]) == 2  # refused before any process group is created
+
+
+@pytest.mark.slow
+def test_every_rank_reports_under_torchrun(tmp_path):
+    path = tmp_path / "plan.json"
+    save_plan(make_plan(dp=4, cluster="4xcpu"), str(path))
+    proc = torchrun(["-m", "executor", str(path)], nproc=2, timeout=180)
+    assert proc.returncode != 0
+    assert os.path.join(repo_root(), "executor") not in proc.stderr  # torchrun's own report only, no rank traceback
+    for rank in (0, 1):
+        assert f"executor: error: [rank {rank}] plan.world_size" in proc.stderr + proc.stdout
+
+
+def test_metrics_jsonl_and_console(tmp_path, run_executor):
+    path, metrics = tmp_path / "plan.json", tmp_path / "m.jsonl"
+    save_plan(make_plan(cluster="1xcpu", micro_batch_size=2, num_micro_batches=2), str(path))
+    proc = run_executor(str(path), "--steps", "3", "--seed", "1", "--metrics", str(metrics))
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(ln) for ln in metrics.read_text().splitlines()]
+    assert [ln["step"] for ln in lines[:-1]] == [1, 2, 3]
+    for ln in lines[:-1]:
+        assert set(ln) == {"step", "loss", "step_time_s", "tokens_per_s", "peak_memory_bytes"}
+        assert ln["step_time_s"] > 0 and ln["tokens_per_s"] > 0 and ln["peak_memory_bytes"] > 0
+    assert lines[-1]["summary"] is True and lines[-1]["predicted_iteration_time_s"] == 0.01
+    assert lines[-1]["measured_iteration_time_s"] > 0
+    want = reference_losses(str(path), 3, 1)
+    assert [ln["loss"] for ln in lines[:-1]] == pytest.approx(want, rel=1e-4)
+    assert "step     3 | loss" in proc.stdout and "predicted 0.0100 s/iter" in proc.stdout
+
+
+def test_token_file(tmp_path, run_executor):
+    path, metrics, tokens = tmp_path / "plan.json", tmp_path / "m.jsonl", tmp_path / "train.bin"
+    plan = make_plan(cluster="1xcpu", micro_batch_size=2, num_micro_batches=2)
+    save_plan(plan, str(path))
+    rng = np.random.default_rng(0)
+    rng.integers(0, plan.model.vocab_size, size=5000, dtype=np.uint16).tofile(tokens)
+    proc = run_executor(str(path), "--steps", "2", "--data", str(tokens), "--metrics", str(metrics))
+    assert proc.returncode == 0, proc.stderr
+    got = [json.loads(ln)["loss"] for ln in metrics.read_text().splitlines()[:-1]]
+    source = TokenFile(str(tokens), "uint16", plan.model.vocab_size, plan.parallel.seq_len,
+                       plan.parallel.global_batch_size)
+    assert got == pytest.approx(reference_losses(str(path), 2, 0, tokens=source), rel=1e-4)
+    bad = tmp_path / "bad.bin"
+    np.full(100, 300, dtype=np.uint16).tofile(bad)  # ids >= vocab 256
+    one_line_error(run_executor(str(path), "--steps", "1", "--data", str(bad)), "--data", "vocab_size")
