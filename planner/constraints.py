@@ -37,6 +37,11 @@ class Constraints:
             if model.num_heads % self.tp or model.num_kv_heads % self.tp:
                 raise InputError(f"--tp: {self.tp} must divide the model's {model.num_heads} attention heads "
                                  f"and {model.num_kv_heads} key/value heads")
+            if model.ffn_hidden_size % self.tp:
+                raise InputError(f"--tp: {self.tp} must divide the model's MLP width {model.ffn_hidden_size}")
+            if self.effective_seq_len(model) % self.tp:
+                raise InputError(f"--tp: {self.tp} must divide the sequence length {self.effective_seq_len(model)} "
+                                 "(sequence parallelism splits it)")
             if self.tp > cluster.devices_per_node:
                 raise InputError(f"--tp: {self.tp} exceeds the {cluster.devices_per_node} devices of a node "
                                  "(tensor parallelism stays inside a node)")

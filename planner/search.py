@@ -99,8 +99,8 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints,
     n_layers = len(model.layers)
     for tp in divisors(world):
         if (c.tp is not None and tp != c.tp) or cluster.devices_per_node % tp or model.num_heads % tp \
-                or model.num_kv_heads % tp:
-            continue
+                or model.num_kv_heads % tp or model.ffn_hidden_size % tp or c.effective_seq_len(model) % tp:
+            continue  # the executor shards heads and the MLP by tp and the sequence (sequence parallel) too
         for pp in divisors(world // tp):
             if (c.pp is not None and pp != c.pp) or pp > n_layers:
                 continue
@@ -113,6 +113,8 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints,
                 m = gbs // (dp * b)
                 for schedule, v in schedules(pp, m, n_layers, c):
                     for zero in ([c.zero] if c.zero is not None else range(4 if dp > 1 else 1)):
+                        if schedule == "zero-bubble" and zero == 3:
+                            continue  # the executor refuses it: FSDP2 resharding breaks the split backward
                         if c.recompute is not None:
                             modes = [(c.recompute, c.recompute != "none")]
                         else:

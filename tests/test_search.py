@@ -153,3 +153,30 @@ def test_unsatisfiable_pins_are_bad_input(capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("plan: error: --pp/--schedule/--virtual-stages: no parallel configuration")
     assert len(err.strip().splitlines()) == 1
+
+
+def test_every_emittable_candidate_is_one_the_executor_runs():
+    """The planner's outer space excludes what executor.checks refuses (zero-bubble with ZeRO-3, tp not
+    dividing the MLP or the sequence)."""
+    from dataclasses import replace as _replace
+
+    from executor.checks import check_supported
+    from planner.cluster_spec import parse_cluster
+    from planner.constraints import Constraints
+    from planner.model_sources import builtin_model
+    from planner.placement import Placer
+    from planner.search import candidates
+    from tests.helpers import make_plan
+
+    model, cluster = builtin_model("tiny"), parse_cluster("4xcpu")
+    c = Constraints(global_batch_size=8, seq_len=32, dtype="fp32")
+    base = make_plan(dp=4)
+    seen = 0
+    for cand in candidates(model, cluster, c, Placer(cluster)):
+        parallel = _replace(base.parallel, dp=cand.dp, tp=cand.tp, pp=cand.pp, virtual_stages=cand.v,
+                            schedule=cand.schedule, zero=cand.zero, micro_batch_size=cand.b,
+                            num_micro_batches=cand.m, global_batch_size=8, seq_len=32,
+                            sequence_parallel=cand.tp > 1, recompute=cand.recompute)
+        check_supported(_replace(base, parallel=parallel))
+        seen += 1
+    assert seen > 100
