@@ -1,7 +1,8 @@
 """ParallelDims: the plan's (pp, dp, tp) degrees, this process's place in them, and the DeviceMesh.
 
-Rank layout is row-major over ("pp", "dp", "tp"): tp is innermost so tensor-parallel groups are
-consecutive ranks, i.e. inside one node under torchrun (DESIGN §5: TP stays inside a node).
+Rank layout is the plan's placement (`plan.placement.ranks`, the global rank of every [pp, dp, tp] mesh
+position, chosen by the planner on the cluster graph) or, without one, row-major over ("pp", "dp", "tp"):
+tp innermost, so tensor-parallel groups are consecutive ranks, i.e. inside one node under torchrun.
 """
 
 from __future__ import annotations
@@ -46,5 +47,9 @@ def build_parallel_dims(plan: Plan, device: torch.device) -> ParallelDims:
     p = plan.parallel
     if dist.get_world_size() != p.world_size:
         raise RuntimeError(f"world size {dist.get_world_size()} != plan's {p.world_size}")
-    mesh = init_device_mesh(device.type, (p.pp, p.dp, p.tp), mesh_dim_names=tuple(MESH_DIMS))
+    if plan.placement is not None:
+        mesh = DeviceMesh(device.type, torch.tensor(plan.placement.ranks, dtype=torch.int64),
+                          mesh_dim_names=tuple(MESH_DIMS))
+    else:
+        mesh = init_device_mesh(device.type, (p.pp, p.dp, p.tp), mesh_dim_names=tuple(MESH_DIMS))
     return ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, device=device, mesh=mesh)

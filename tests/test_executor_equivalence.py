@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from planner.model_sources import builtin_model
-from planner.plan import save_plan
+from planner.plan import Placement, save_plan
 from tests.executor_worker import reference_losses, torchrun
 from tests.helpers import make_plan
 
@@ -36,11 +36,15 @@ PLANS = {  # the issue's eight shapes first, then other schedule x zero x recomp
     "tied-pp2xdp2-zero3": dict(tied=True, pp=2, dp=2, zero=3, micro_batch_size=2, num_micro_batches=2),
     "tied-pp2-zbv-v2xtp2": dict(tied=True, pp=2, tp=2, virtual_stages=2, schedule="zero-bubble",
                                 micro_batch_size=2, num_micro_batches=2),
+    # the planner's placement with data parallelism outermost: rank = 2·dp_index + pp_index
+    "pp2xdp2-dp-outer-placement": dict(pp=2, dp=2, micro_batch_size=2, num_micro_batches=2,
+                                       placement=Placement(["dp", "pp", "tp"], [[[0], [2]], [[1], [3]]])),
 }
 
 
-def build(tied: bool = False, **kwargs):
+def build(tied: bool = False, placement: Placement | None = None, **kwargs):
     plan = make_plan(cluster="4xcpu", **kwargs)
+    plan.placement = placement
     if tied:  # the tiny model with its LM head tied to the embedding
         plan.model = replace(builtin_model("tiny"), name="tiny-tied", tied_embeddings=True, layers=())
     return plan
