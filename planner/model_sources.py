@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import json
 import os
 from typing import Any
 
 from planner.errors import InputError
+from planner.jsonio import read_json
 from planner.model_spec import LayerSpec, ModelSpec
 
 _GPT2 = dict(arch="gpt2", norm="layernorm", mlp="gelu", position="learned", linear_bias=True,
@@ -68,13 +68,7 @@ def _cfg_int(cfg: dict, path: str, *keys: str, default: Any = None) -> int:
 
 def from_hf_config(path: str) -> ModelSpec:
     """Read a Hugging Face config.json (gpt2, llama, mistral, qwen2) as plain JSON: no download."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            cfg = json.load(fh)
-    except OSError as exc:
-        raise InputError(f"MODEL: cannot read '{path}': {exc.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"MODEL: '{path}' is not valid JSON: {exc}") from None
+    cfg = read_json(path, "MODEL")
     if not isinstance(cfg, dict):
         raise InputError(f"{path}: expected a JSON object")
     model_type = cfg.get("model_type")

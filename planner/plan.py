@@ -7,13 +7,12 @@ names the field; `save_plan` writes atomically.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 
 from planner.cluster_spec import ClusterSpec
 from planner.errors import InputError
 from planner.fields import Fields
+from planner.jsonio import read_json, write_atomic
 from planner.model_spec import ModelSpec
 
 SCHEMA_VERSION = 1
@@ -289,21 +288,9 @@ def stage_rank(stage: int, pp: int, schedule: str, virtual_stages: int) -> int:
 
 
 def load_plan(path: str) -> Plan:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except OSError as exc:
-        raise InputError(f"PLAN: cannot read '{path}': {exc.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"PLAN: '{path}' is not valid JSON: {exc}") from None
-    return Plan.from_dict(data)
+    return Plan.from_dict(read_json(path, "PLAN"))
 
 
 def save_plan(plan: Plan, path: str) -> None:
     """Write atomically: a reader never sees half a plan."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".plan-", suffix=".json")
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(plan.to_json() + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, plan.to_json() + "\n")

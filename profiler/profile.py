@@ -9,12 +9,11 @@ bytes = measured/analytic ratio × analytic), so a few measured points answer th
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 
 from planner.errors import InputError
 from planner.fields import Fields
+from planner.jsonio import read_json, write_atomic
 from planner.model_spec import ModelSpec
 from profiler.analytic import layer_activation_bytes, layer_forward_flops
 
@@ -280,14 +279,7 @@ def same_model(a: ModelSpec, b: ModelSpec) -> bool:
 
 def load_profile(path: str, model: ModelSpec | None = None) -> Profile:
     """Read and validate a profile; refuse one measured for another model or schema version."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except OSError as exc:
-        raise InputError(f"--profile: cannot read '{path}': {exc.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"--profile: '{path}' is not valid JSON: {exc}") from None
-    profile = Profile.from_dict(data, "profile")
+    profile = Profile.from_dict(read_json(path, "--profile"), "profile")
     if model is not None and not same_model(profile.model, model):
         raise InputError(f"--profile: '{path}' was measured for model '{profile.model.name}', "
                          f"not '{model.name}' (dimensions differ)")
@@ -295,10 +287,4 @@ def load_profile(path: str, model: ModelSpec | None = None) -> Profile:
 
 
 def save_profile(profile: Profile, path: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".profile-", suffix=".json")
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump(profile.to_dict(), fh, indent=2)
-        fh.write("\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(profile.to_dict(), indent=2) + "\n")
