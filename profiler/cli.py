@@ -38,9 +38,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-sizes", type=positive_int, nargs="+", metavar="B", help="default: 1 2 4")
     p.add_argument("--tp-degrees", type=positive_int, nargs="+", metavar="T",
                    help="shard shapes to measure (default: powers of two up to the node size that divide the heads)")
-    p.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed passes per point (default: 2)")
-    p.add_argument("--repeats", type=positive_int, default=5, metavar="N",
-                   help="timed passes per point at least (default: 5; cheap points repeat up to 25 within 0.2 s)")
+    p.add_argument("--warmup", type=int, default=10, metavar="N", help="untimed passes per point (default: 10)")
+    p.add_argument("--repeats", type=positive_int, default=15, metavar="N",
+                   help="timed passes per point at least (default: 15; cheap points repeat up to 25 within 0.2 s)")
     p.add_argument("--max-message-size", type=byte_size, default=256 * 1024**2, metavar="SIZE",
                    help="largest collective message (default: 256MiB; sizes from 4KiB by factors of 4)")
     p.add_argument("--threads-per-rank", type=positive_int, metavar="N",

@@ -23,8 +23,10 @@ class TimingConfig:
     """`repeats` timed passes at least; cheap points keep going (up to `max_repeats`) while their timed
     passes total less than `budget_s`, so that a median over many passes shrugs off a descheduled one."""
 
-    warmup: int = 2
-    repeats: int = 5
+    # On 2 CPU ranks, 2 warm-up and 5 timed passes left tiny's block samples non-monotonic with 50-100 %
+    # spread (first-touch allocation, kernel selection); 10 and 15 gave monotonic samples within ~20 %.
+    warmup: int = 10
+    repeats: int = 15
     max_repeats: int = 25
     budget_s: float = 0.2
 

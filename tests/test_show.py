@@ -171,3 +171,34 @@ def test_show_without_stage_times_says_so(tmp_path, capsys):
     save_plan(plan, str(path))
     assert main(["show", str(path), "--timeline", str(tmp_path / "t.png")]) == 2
     assert "--timeline: the plan's stages carry no forward/backward times" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["llama3-8b", "--cluster", "8xa100-80gb", "--pp", "2", "--tp", "2", "--schedule", "1f1b",
+     "--global-batch-size", "16", "--seq-len", "2048"],
+    ["llama3-70b", "--cluster", "2x8xh100-80gb", "--pp", "4", "--schedule", "interleaved-1f1b",
+     "--global-batch-size", "64", "--seq-len", "4096"],
+    ["gpt2", "--cluster", "4xa100-40gb", "--pp", "2", "--schedule", "zero-bubble", "--global-batch-size", "16"],
+])
+def test_show_and_export_plans_from_the_planner(argv, tmp_path, capsys):
+    """The three commands on plans the search produced (not hand-built ones)."""
+    import json
+
+    import tomllib
+
+    path = tmp_path / "plan.json"
+    assert main([*argv, "-o", str(path), "--json"]) == 0
+    capsys.readouterr()
+    png = tmp_path / "timeline.png"
+    assert main(["show", str(path), "--timeline", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline timeline" in out and "why not the runner-ups" in out and png.stat().st_size > 10_000
+    assert main(["export", str(path), "--format", "torchtitan"]) == 0
+    tomllib.loads(capsys.readouterr().out)
+    assert main(["export", str(path), "--format", "deepspeed"]) == 0
+    ds = json.loads(capsys.readouterr().out)
+    plan = load_plan(str(path))
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] \
+        * plan.parallel.dp
+    assert main(["export", str(path), "--format", "megatron"]) == 0
+    assert f"--pipeline-model-parallel-size {plan.parallel.pp}" in capsys.readouterr().out
