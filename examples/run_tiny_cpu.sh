@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run a hand-made plan for the tiny model on 4 CPU processes (pp2 x dp2, 1F1B, ZeRO-3), write metrics,
+# Plan and run the tiny model on 4 CPU processes (pp2 x dp2, 1F1B, ZeRO-3), write metrics,
 # survive a killed rank. Usage: examples/run_tiny_cpu.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -7,13 +7,8 @@ OUT=${1:-/tmp/meshplan-tiny}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=1
 
-# A plan: from the planner when it can emit one for this cluster, else hand-built (tests/helpers.make_plan).
-if ! plan tiny --cluster 4xcpu --pp 2 --dp 2 --zero 3 --seq-len 32 --global-batch-size 8 -o "$OUT/plan.json" 2>/dev/null; then
-  python -c "
-from planner.plan import save_plan
-from tests.helpers import make_plan
-save_plan(make_plan(pp=2, dp=2, zero=3, micro_batch_size=2, num_micro_batches=2, seq_len=32), '$OUT/plan.json')"
-fi
+# The planner's plan for 4 CPU processes, pinned to pipeline x data parallelism with ZeRO-3.
+plan tiny --cluster 4xcpu --pp 2 --dp 2 --zero 3 --seq-len 32 --global-batch-size 8 -o "$OUT/plan.json"
 
 # 20 steps, a checkpoint every 5; rank 1 is killed at step 12 (fault injection for the demo) and
 # torchrun restarts the job, which resumes from the step-10 checkpoint with the same losses.

@@ -1,0 +1,219 @@
+"""Predicted vs measured iteration time and memory across the plan space, end to end.
+
+    python benchmarks/predict_vs_measure.py --cluster 2xcpu --model tiny
+
+profile -> plan --top-k K -> for each distinct plan: re-plan it pinned, run it with torchrun for a few
+steps -> table of predicted vs measured time and peak memory, then median absolute error, Spearman rank
+correlation and the regret of the planner's choice (measured time of the chosen plan / best measured).
+Uses only the public command line (plan, plan profile, torchrun -m executor), as a user would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run(cmd: list[str], timeout: float = 900) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def sweep(world: int, gbs: int) -> list[dict]:
+    """Pins spanning the plan space: every (dp, tp, pp) mesh, two micro-batch sizes, each pipeline
+    schedule, and full recompute — so the comparison is not only the planner's near-identical top few.
+    Taken round-robin over the meshes, so a --max-plans cut still covers every (dp, tp, pp)."""
+    per_mesh: list[list[dict]] = []
+    for tp in (d for d in range(1, world + 1) if world % d == 0):
+        for pp in (d for d in range(1, world // tp + 1) if (world // tp) % d == 0):
+            dp = world // (tp * pp)
+            out: list[dict] = []
+            per_mesh.append(out)
+            per_replica = gbs // dp
+            sizes = sorted({1, max(1, per_replica // 4), per_replica})
+            scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2),
+                                                      ("zero-bubble", 2)]
+            for b in sizes:
+                for schedule, v in scheds:
+                    out.append(dict(dp=dp, tp=tp, pp=pp, micro_batch_size=b, schedule=schedule,
+                                    virtual_stages=v, recompute="none"))
+            out.insert(1, dict(dp=dp, tp=tp, pp=pp, micro_batch_size=sizes[1], schedule="1f1b", virtual_stages=1,
+                               recompute="full"))
+    longest = max(len(x) for x in per_mesh)
+    return [mesh[i] for i in range(longest) for mesh in per_mesh if i < len(mesh)]
+
+
+def pin_flags(pins: dict) -> list[str]:
+    return [x for k, v in pins.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def try_plan(cmd: list[str]) -> dict | None:
+    """The plan JSON, or None when those pins admit no plan (exit 2/3)."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
+    return json.loads(proc.stdout) if proc.returncode == 0 else None
+
+
+def pins(parallel: dict) -> list[str]:
+    """Flags that pin every dimension of a plan, so the planner rebuilds exactly that plan in full."""
+    return ["--dp", str(parallel["dp"]), "--tp", str(parallel["tp"]), "--pp", str(parallel["pp"]),
+            "--micro-batch-size", str(parallel["micro_batch_size"]), "--schedule", parallel["schedule"],
+            "--virtual-stages", str(parallel["virtual_stages"]), "--recompute", parallel["recompute"],
+            "--zero", str(parallel["zero"])]
+
+
+def label(p: dict) -> str:
+    text = f"dp{p['dp']} tp{p['tp']} pp{p['pp']} b{p['micro_batch_size']}x{p['num_micro_batches']}"
+    if p["pp"] > 1:
+        text += f" {p['schedule']}" + (f" v{p['virtual_stages']}" if p["virtual_stages"] > 1 else "")
+    if p["zero"]:
+        text += f" z{p['zero']}"
+    if p["recompute"] != "none":
+        text += f" rc-{p['recompute']}"
+    return text
+
+
+@dataclass
+class Row:
+    label: str
+    predicted_s: float
+    measured_s: float
+    predicted_mem: float
+    measured_mem: float
+    chosen: bool
+
+    @property
+    def error(self) -> float:
+        return (self.predicted_s - self.measured_s) / self.measured_s
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    if len(a) < 2 or ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def measure(plan_path: str, nproc: int, steps: int, workdir: str, tag: str) -> tuple[float, float]:
+    metrics = os.path.join(workdir, f"{tag}.jsonl")
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+         "-m", "executor", plan_path, "--steps", str(steps), "--metrics", metrics])
+    with open(metrics) as fh:
+        lines = [json.loads(line) for line in fh if line.strip()]
+    summary = next(x for x in lines if x.get("summary"))
+    peak = max(x.get("peak_memory_bytes", 0) for x in lines if "step" in x)
+    return summary["measured_iteration_time_s"], peak
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cluster", default="2xcpu")
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--global-batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--top-k", type=int, default=4, help="the planner's runner-ups to run besides the sweep")
+    ap.add_argument("--max-plans", type=int, default=16, help="at most this many distinct plans are run")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--profile", help="use this profile instead of measuring one")
+    ap.add_argument("--workdir", help="keep plans, metrics and the profile here")
+    ap.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                    help="skip fitting `plan calibrate` on half the runs and checking the other half")
+    args = ap.parse_args(argv)
+    console = Console()
+    workdir = args.workdir or tempfile.mkdtemp(prefix="meshplan-pvm-")
+    os.makedirs(workdir, exist_ok=True)
+    plan_cmd = [sys.executable, "-m", "planner"]
+    profile = args.profile or os.path.join(workdir, "profile.json")
+    if not args.profile:
+        console.print(f"profiling {args.model} on {args.cluster} ...")
+        run(plan_cmd + ["profile", args.model, "--cluster", args.cluster, "-o", profile, "--dtype", args.dtype,
+                        "--seq-len", str(args.seq_len)])
+    common = [args.model, "--cluster", args.cluster, "--profile", profile, "--dtype", args.dtype,
+              "--global-batch-size", str(args.global_batch_size), "--seq-len", str(args.seq_len)]
+    best = json.loads(run(plan_cmd + common + ["--top-k", str(args.top_k), "--json"]))
+    nproc = best["world_size"]
+    plans, seen = [], set()
+    requests = [pins(best["parallel"])] + [pins(a["parallel"]) for a in best["alternatives"]]
+    requests += [pin_flags(p) for p in sweep(nproc, args.global_batch_size)]
+    for flags in requests:
+        if len(plans) >= args.max_plans:
+            break
+        plan = try_plan(plan_cmd + common + flags + ["--top-k", "1", "--json"])
+        key = plan and json.dumps(plan["parallel"], sort_keys=True)
+        if plan and key not in seen:
+            seen.add(key)
+            plans.append(plan)
+    rows: list[Row] = []
+    for i, plan in enumerate(plans):
+        path = os.path.join(workdir, f"plan{i}.json")
+        with open(path, "w") as fh:
+            json.dump(plan, fh)
+        console.print(f"[{i + 1}/{len(plans)}] running {label(plan['parallel'])} ...")
+        measured_s, measured_mem = measure(path, plan["world_size"], args.steps, workdir, f"plan{i}")
+        rows.append(Row(label(plan["parallel"]), plan["predicted"]["iteration_time_s"], measured_s,
+                        plan["predicted"]["peak_memory_bytes"], measured_mem, chosen=i == 0))
+    table = Table(title=f"{args.model} on {args.cluster} ({nproc} ranks), {args.steps} steps each")
+    for col in ("plan", "predicted ms", "measured ms", "error", "pred. peak MiB", "meas. peak MiB"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(("* " if r.chosen else "") + r.label, f"{r.predicted_s * 1e3:.1f}", f"{r.measured_s * 1e3:.1f}",
+                      f"{r.error:+.0%}", f"{r.predicted_mem / 2**20:.1f}", f"{r.measured_mem / 2**20:.1f}")
+    console.print(table)
+    errors = [abs(r.error) for r in rows]
+    measured = [r.measured_s for r in rows]
+    regret = rows[0].measured_s / min(measured)
+    rho = spearman([r.predicted_s for r in rows], measured)
+    console.print(f"median |error| {np.median(errors):.1%}   Spearman {rho:.2f}"
+                  f"   regret {regret:.2f}   ({len(rows)} plans; * = the planner's choice; files in {workdir})")
+    if args.calibrate and len(rows) >= 4:
+        calibrate_held_out(console, plan_cmd, workdir, profile, rows)
+    return 0
+
+
+def calibrate_held_out(console: Console, plan_cmd: list[str], workdir: str, profile: str, rows: list[Row]) -> None:
+    """Fit `plan calibrate` on the even-numbered runs; report the odd-numbered (held-out) runs' errors
+    before and after, and the rank correlation over all plans with the calibrated profile."""
+    sys.path.insert(0, ROOT)
+    from planner.calibrate import predict
+    from planner.plan import load_plan
+    from profiler.profile import load_profile
+
+    train = list(range(0, len(rows), 2))
+    calibrated = os.path.join(workdir, "profile-calibrated.json")
+    flags = [x for i in train for x in ("--plan", os.path.join(workdir, f"plan{i}.json"))]
+    run(plan_cmd + ["calibrate", *[os.path.join(workdir, f"plan{i}.jsonl") for i in train], "--profile", profile,
+                    "-o", calibrated, *flags])
+    plans = [load_plan(os.path.join(workdir, f"plan{i}.json")) for i in range(len(rows))]
+    cal = load_profile(calibrated, model=plans[0].model)
+    after = [predict(p, cal) for p in plans]
+    held = [i for i in range(len(rows)) if i % 2]
+    before_err = [abs(rows[i].error) for i in held]
+    after_err = [abs(after[i] / rows[i].measured_s - 1) for i in held]
+    factors = ", ".join(f"{k} x{v:.2f}" for k, v in cal.corrections.items())
+    console.print(f"calibrated on {len(train)} runs ({factors}); held-out median |error| "
+                  f"{np.median(before_err):.1%} -> {np.median(after_err):.1%}; Spearman over all plans "
+                  f"{spearman(after, [r.measured_s for r in rows]):.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
