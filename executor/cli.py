@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                           weight_decay=args.weight_decay, grad_clip=args.grad_clip, metrics=args.metrics,
                           data=args.data, data_dtype=args.data_dtype, checkpoint_dir=args.checkpoint_dir,
                           checkpoint_interval=args.checkpoint_interval, resume=args.resume,
-                          log_interval=args.log_interval)
+                          log_interval=args.log_interval, plan_path=args.plan)
         Trainer(plan, cfg, device).run()
     except MeshplanError as exc:
         print(f"executor: error: [rank {rank}] {exc}", file=sys.stderr, flush=True)

@@ -66,9 +66,11 @@ class Metrics:
         times = self.step_times[warmup_steps(len(self.step_times)):]
         return statistics.median(times) if times else 0.0
 
-    def summary(self, predicted_s: float) -> dict:
+    def summary(self, predicted_s: float, plan_path: str | None = None) -> dict:
         rec = {"summary": True, "predicted_iteration_time_s": predicted_s,
                "measured_iteration_time_s": self.measured()}
+        if plan_path:
+            rec["plan"] = os.path.abspath(plan_path)
         if self.enabled and self.fh:
             self.fh.write(json.dumps(rec) + "\n")
             self.fh.close()

@@ -47,6 +47,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     metrics: str | None = None
+    plan_path: str | None = None  # named in the metrics summary, for `plan calibrate`
     data: str | None = None
     data_dtype: str = "uint16"
     checkpoint_dir: str | None = None
@@ -305,7 +306,7 @@ class Trainer:
                 self._save(step + 1)
         if cfg.checkpoint_dir and cfg.steps > start:
             self._save(cfg.steps)
-        summary = metrics.summary(self.plan.predicted.iteration_time_s)
+        summary = metrics.summary(self.plan.predicted.iteration_time_s, self.cfg.plan_path)
         if rank0 and not cfg.quiet and losses:
             measured, predicted = summary["measured_iteration_time_s"], summary["predicted_iteration_time_s"]
             ratio = f" (measured/predicted {measured / predicted:.2f})" if predicted > 0 else ""

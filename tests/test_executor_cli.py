@@ -98,6 +98,7 @@ def test_metrics_jsonl_and_console(tmp_path, run_executor):
         assert ln["step_time_s"] > 0 and ln["tokens_per_s"] > 0 and ln["peak_memory_bytes"] > 0
     assert lines[-1]["summary"] is True and lines[-1]["predicted_iteration_time_s"] == 0.01
     assert lines[-1]["measured_iteration_time_s"] > 0
+    assert lines[-1]["plan"] == str(path.resolve())  # what `plan calibrate` reads the plan from
     want = reference_losses(str(path), 3, 1)
     assert [ln["loss"] for ln in lines[:-1]] == pytest.approx(want, rel=1e-4)
     assert "step     3 | loss" in proc.stdout and "predicted 0.0100 s/iter" in proc.stdout
