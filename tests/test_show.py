@@ -183,7 +183,6 @@ def test_show_without_stage_times_says_so(tmp_path, capsys):
 def test_show_and_export_plans_from_the_planner(argv, tmp_path, capsys):
     """The three commands on plans the search produced (not hand-built ones)."""
     import json
-
     import tomllib
 
     path = tmp_path / "plan.json"
