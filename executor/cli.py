@@ -20,13 +20,9 @@ from executor.checks import check_supported
 from executor.data import DATA_DTYPES
 from executor.pipeline import local_stages
 from executor.train import TrainConfig, Trainer
+from planner.cli import _Parser
 from planner.errors import InputError, MeshplanError
 from planner.plan import Plan, load_plan
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
-        raise InputError(message)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

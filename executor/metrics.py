@@ -82,10 +82,3 @@ def log(enabled: bool, text: str) -> None:
     if enabled:
         print(text, flush=True)
 
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"

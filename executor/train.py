@@ -25,12 +25,13 @@ from executor import checkpoint
 from executor.checks import check_supported
 from executor.data import Shard as DataShard
 from executor.data import SyntheticData, TokenFile
-from executor.metrics import Metrics, fmt_bytes, log, peak_memory_bytes
+from executor.metrics import Metrics, log, peak_memory_bytes
 from executor.model import Transformer, loss_fn
 from executor.parallel_dims import ParallelDims, build_parallel_dims
 from executor.parallelize import TORCH_DTYPES, apply_ac, apply_dp, apply_tp, materialise
 from executor.pipeline import apply_pp, local_stages
 from planner.plan import Plan
+from planner.report import human_bytes
 
 # The LM head's logits are a view (F.linear on 3-D input); nothing modifies them in place.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -300,7 +301,7 @@ class Trainer:
             metrics.step(step + 1, loss, dt, tokens, mem)
             if rank0 and not cfg.quiet and ((step + 1) % cfg.log_interval == 0 or step + 1 == cfg.steps):
                 print(f"step {step + 1:>5} | loss {loss:.4f} | grad norm {norm:.3f} | {dt * 1e3:8.1f} ms | "
-                      f"{tokens / dt:10.0f} tok/s | mem {fmt_bytes(mem)}", flush=True)
+                      f"{tokens / dt:10.0f} tok/s | mem {human_bytes(mem)}", flush=True)
             if cfg.checkpoint_dir and cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0 \
                     and step + 1 < cfg.steps:
                 self._save(step + 1)

@@ -188,26 +188,13 @@ class DelayedProgress:
             self.bar.stop()
 
 
-def _not_yet(name: str) -> Callable[[Sequence[str]], int]:
-    def run(argv: Sequence[str]) -> int:
-        raise InputError(f"'plan {name}' is not implemented yet in this version of meshplan")
-
-    return run
-
-
 def _subcommand(name: str) -> Callable[[Sequence[str]], int]:
     """Each subcommand lives with its part: profile in profiler/, show/export/calibrate in planner/."""
     import importlib
 
     targets = {"profile": "profiler.cli", "show": "planner.show", "export": "planner.export",
                "calibrate": "planner.calibrate"}
-    try:
-        module = importlib.import_module(targets[name])
-    except ModuleNotFoundError as exc:
-        if exc.name != targets[name]:
-            raise
-        return _not_yet(name)
-    return module.main
+    return importlib.import_module(targets[name]).main
 
 
 def main(argv: Sequence[str] | None = None) -> int:

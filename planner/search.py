@@ -45,6 +45,7 @@ from planner.plan import (
     StagePlan,
     stage_rank,
 )
+from planner.report import human_bytes
 from profiler.analytic import DTYPE_BYTES
 
 Progress = Callable[[int, int], None]
@@ -386,8 +387,8 @@ def infeasible_message(search: Search) -> str:
             hints.append(f"dropping {flag} {value}")
     if c.memory_margin > 0.05:
         hints.append(f"a smaller --memory-margin than {c.memory_margin}")
-    hints.append(f"more devices (model state alone is {_gib(state)} at 16 B/param: at least "
-                 f"{need_devices} devices of {_gib(dev.memory_bytes)} with ZeRO-3)")
+    hints.append(f"more devices (model state alone is {human_bytes(state)} at 16 B/param: at least "
+                 f"{need_devices} devices of {human_bytes(dev.memory_bytes)} with ZeRO-3)")
     tried = [name for name, pin in (("ZeRO level", c.zero), ("recompute mode", c.recompute),
                                     ("micro-batch size", c.micro_batch_size)) if pin is None]
     fit = "; to fit try " + ", ".join(hints) + (f" (every {', '.join(tried)} was tried)" if tried else "")
@@ -399,16 +400,13 @@ def infeasible_message(search: Search) -> str:
     worst = max(range(len(ev.rank_memory)), key=lambda r: ev.rank_memory[r])
     stages = [s for s, r in enumerate(problem.rank) if r == worst]
     over = ev.rank_memory[worst] - usable
-    return (f"no plan fits in memory: the nearest ({describe(cand)}) needs {_gib(ev.rank_memory[worst])} on "
-            f"pipeline rank {worst} (stage {', '.join(map(str, stages))}), {_gib(over)} ({int(over)} bytes) over "
-            f"the {_gib(usable)} usable per device ({_gib(dev.memory_bytes)} less the {c.memory_margin:.0%} "
+    need, limit = human_bytes(ev.rank_memory[worst]), human_bytes(dev.memory_bytes)
+    return (f"no plan fits in memory: the nearest ({describe(cand)}) needs {need} on "
+            f"pipeline rank {worst} (stage {', '.join(map(str, stages))}), {human_bytes(over)} ({int(over)} bytes) "
+            f"over the {human_bytes(usable)} usable per device ({limit} less the {c.memory_margin:.0%} "
             f"margin){fit}")
 
 
-def _gib(n: float) -> str:
-    from planner.report import human_bytes
-
-    return human_bytes(n)
 
 
 def _predicted(search: Search, scored: Scored, ev: Evaluation) -> Predicted:

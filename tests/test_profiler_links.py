@@ -2,7 +2,6 @@
 
 import os
 import random
-import socket
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch.multiprocessing as mp
 
 from profiler.links import LinkTiming, fit_link, fit_relative, fit_timings, message_sizes, time_ops
 from profiler.profile import LINK_OPS, LinkFit, collective_factors
+from tests.executor_worker import free_port
 
 
 def synthetic(op: str, n: int, alpha: float, beta: float, noise: float, seed: int = 0):
@@ -50,10 +50,6 @@ def test_message_sizes():
     assert sizes[0] == 4 * 1024 and sizes[-1] == 256 * 1024**2 and len(sizes) == 9
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -74,7 +70,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_gloo_collectives_on_two_processes(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     lines = (tmp_path / "fits.txt").read_text().split("\n")
     fits = {op: LinkFit(float(a), float(b), int(n)) for op, a, b, n, _ in (ln.split() for ln in lines if ln)}
     assert set(fits) == set(LINK_OPS)
