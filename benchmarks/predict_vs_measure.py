@@ -120,7 +120,8 @@ def measure(plan_path: str, nproc: int, steps: int, workdir: str, tag: str) -> t
     with open(metrics) as fh:
         lines = [json.loads(line) for line in fh if line.strip()]
     summary = next(x for x in lines if x.get("summary"))
-    peak = max(x.get("peak_memory_bytes", 0) for x in lines if "step" in x)
+    # CPU: tensor bytes tracked by the executor's memory probe (peak RSS would count the interpreter)
+    peak = summary.get("peak_tensor_bytes") or max(x.get("peak_memory_bytes", 0) for x in lines if "step" in x)
     return summary["measured_iteration_time_s"], peak
 
 
@@ -145,9 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     plan_cmd = [sys.executable, "-m", "planner"]
     profile = args.profile or os.path.join(workdir, "profile.json")
     if not args.profile:
-        console.print(f"profiling {args.model} on {args.cluster} ...")
+        # every micro-batch size the sweep can plan (powers of two up to the global batch), so the
+        # planner interpolates the measured times rather than extrapolating them
+        sizes = [str(2 ** i) for i in range(args.global_batch_size.bit_length()) if 2 ** i <= args.global_batch_size]
+        console.print(f"profiling {args.model} on {args.cluster} (micro-batch sizes {' '.join(sizes)}) ...")
         run(plan_cmd + ["profile", args.model, "--cluster", args.cluster, "-o", profile, "--dtype", args.dtype,
-                        "--seq-len", str(args.seq_len)])
+                        "--seq-len", str(args.seq_len), "--micro-batch-sizes", *sizes])
     common = [args.model, "--cluster", args.cluster, "--profile", profile, "--dtype", args.dtype,
               "--global-batch-size", str(args.global_batch_size), "--seq-len", str(args.seq_len)]
     best = json.loads(run(plan_cmd + common + ["--top-k", str(args.top_k), "--json"]))

@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                           checkpoint_interval=args.checkpoint_interval, resume=args.resume,
                           log_interval=args.log_interval, plan_path=args.plan)
         Trainer(plan, cfg, device).run()
+        dist.barrier()  # no rank tears gloo down while another still has work in flight
     except MeshplanError as exc:
         print(f"executor: error: [rank {rank}] {exc}", file=sys.stderr, flush=True)
         return exc.exit_code

@@ -1,7 +1,10 @@
 """Metrics JSONL (DESIGN §4) and the console log, both written by global rank 0 only.
 
 Step lines hold exactly step, loss, step_time_s, tokens_per_s, peak_memory_bytes; the final summary
-line holds the plan's predicted iteration time and the measured median after warm-up.
+line holds the plan's predicted iteration time and the measured median after warm-up, the plan's path,
+and on CPU `peak_tensor_bytes`: the most tensor memory any rank held during the second step, tracked
+with the torch profiler (CPU has no allocator statistics, and peak RSS counts the interpreter and
+libraries). That step runs instrumented, so its time is left out of the median.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import os
 import resource
 import statistics
 import sys
+import warnings
+from contextlib import contextmanager
 
 import torch
 
@@ -23,6 +28,44 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
         return int(torch.cuda.max_memory_allocated(device)), "cuda.max_memory_allocated"
     scale = 1 if sys.platform == "darwin" else 1024
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale), "ru_maxrss (peak RSS)"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind these tensors (DTensors: this rank's shard)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            local = _local(t)
+            storage = local.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+@contextmanager
+def track_cpu_allocations():
+    """Peak bytes allocated inside the block above what was live before it, from the torch profiler's
+    CPU memory tracking (CPU tensors have no allocator statistics). Tensors freed here that were
+    allocated before are not subtracted (the profiler does not know their size): an upper bound."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {"peak": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            yield out
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    out["peak"] = peak
 
 
 def warmup_steps(n: int) -> int:
@@ -52,8 +95,11 @@ class Metrics:
             self.fh.writelines(kept)
             self.fh.flush()
 
-    def step(self, step: int, loss: float, step_time_s: float, tokens: int, peak_memory: int) -> None:
-        self.step_times.append(step_time_s)
+    def step(self, step: int, loss: float, step_time_s: float, tokens: int, peak_memory: int,
+             timed: bool = True) -> None:
+        """timed=False: a step slowed by instrumentation (the CPU memory probe), left out of the median."""
+        if timed:
+            self.step_times.append(step_time_s)
         if not self.enabled:
             return
         rec = {"step": step, "loss": loss, "step_time_s": step_time_s,
@@ -66,11 +112,13 @@ class Metrics:
         times = self.step_times[warmup_steps(len(self.step_times)):]
         return statistics.median(times) if times else 0.0
 
-    def summary(self, predicted_s: float, plan_path: str | None = None) -> dict:
+    def summary(self, predicted_s: float, plan_path: str | None = None, peak_tensor_bytes: int | None = None) -> dict:
         rec = {"summary": True, "predicted_iteration_time_s": predicted_s,
                "measured_iteration_time_s": self.measured()}
         if plan_path:
             rec["plan"] = os.path.abspath(plan_path)
+        if peak_tensor_bytes is not None:
+            rec["peak_tensor_bytes"] = peak_tensor_bytes
         if self.enabled and self.fh:
             self.fh.write(json.dumps(rec) + "\n")
             self.fh.close()

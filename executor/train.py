@@ -25,7 +25,7 @@ from executor import checkpoint
 from executor.checks import check_supported
 from executor.data import Shard as DataShard
 from executor.data import SyntheticData, TokenFile
-from executor.metrics import Metrics, log, peak_memory_bytes
+from executor.metrics import Metrics, log, peak_memory_bytes, tensor_bytes, track_cpu_allocations
 from executor.model import Transformer, loss_fn
 from executor.parallel_dims import ParallelDims, build_parallel_dims
 from executor.parallelize import TORCH_DTYPES, apply_ac, apply_dp, apply_tp, materialise
@@ -231,8 +231,10 @@ class Trainer:
         model, n = self.modules[0], p.num_micro_batches
         total = torch.zeros((), dtype=torch.float64)
         for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
-            if p.dp > 1 and n > 1:
+            if p.dp > 1 and n > 1:  # accumulate locally; reduce (and, below ZeRO-3, reshard) once at the end
                 model.set_requires_gradient_sync(i == n - 1)
+                if p.zero <= 2:
+                    model.set_reshard_after_backward(i == n - 1)
             with self._amp():
                 loss = self._scaled_loss(model(xm), ym) / n
             loss.backward()
@@ -291,14 +293,22 @@ class Trainer:
             f"{len(self.plan.stages)} stages, schedule {p.schedule}, zero {p.zero}, recompute {p.recompute}, "
             f"{p.dtype}; global batch {p.global_batch_size} x {p.seq_len} tokens; steps {start + 1}..{cfg.steps}")
         losses = []
+        probe_step = start + 1 if self.device.type == "cpu" and cfg.steps - start >= 3 else None
+        peak_tensor_bytes = None
         for step in range(start, cfg.steps):
             self._maybe_fail(step)
+            probe = step == probe_step
+            if probe:
+                baseline = tensor_bytes(self._state_tensors())
             t0 = time.perf_counter()
-            loss, norm = self.train_step(step)
+            with track_cpu_allocations() if probe else contextlib.nullcontext({}) as tracked:
+                loss, norm = self.train_step(step)
             dt = time.perf_counter() - t0
+            if probe:
+                peak_tensor_bytes = self._max_over_ranks(baseline + tracked["peak"])
             mem = self._peak_memory()
             losses.append(loss)
-            metrics.step(step + 1, loss, dt, tokens, mem)
+            metrics.step(step + 1, loss, dt, tokens, mem, timed=not probe)
             if rank0 and not cfg.quiet and ((step + 1) % cfg.log_interval == 0 or step + 1 == cfg.steps):
                 print(f"step {step + 1:>5} | loss {loss:.4f} | grad norm {norm:.3f} | {dt * 1e3:8.1f} ms | "
                       f"{tokens / dt:10.0f} tok/s | mem {human_bytes(mem)}", flush=True)
@@ -307,21 +317,33 @@ class Trainer:
                 self._save(step + 1)
         if cfg.checkpoint_dir and cfg.steps > start:
             self._save(cfg.steps)
-        summary = metrics.summary(self.plan.predicted.iteration_time_s, self.cfg.plan_path)
+        summary = metrics.summary(self.plan.predicted.iteration_time_s, self.cfg.plan_path, peak_tensor_bytes)
         if rank0 and not cfg.quiet and losses:
             measured, predicted = summary["measured_iteration_time_s"], summary["predicted_iteration_time_s"]
             ratio = f" (measured/predicted {measured / predicted:.2f})" if predicted > 0 else ""
+            tracked = "" if peak_tensor_bytes is None else \
+                f"; peak tensor memory {human_bytes(peak_tensor_bytes)} (step {probe_step + 1}, profiler tracking)"
             print(f"done: predicted {predicted:.4f} s/iter, measured {measured:.4f} s/iter (median after "
-                  f"warm-up){ratio}; peak memory from {mem_source}", flush=True)
+                  f"warm-up){ratio}; peak memory from {mem_source}{tracked}", flush=True)
         return losses
 
     def _peak_memory(self) -> int:
-        mem, _ = peak_memory_bytes(self.device)
+        return self._max_over_ranks(peak_memory_bytes(self.device)[0])
+
+    def _max_over_ranks(self, value: int) -> int:
         if self.world == 1:
-            return mem
-        t = torch.tensor(mem, dtype=torch.int64, device=self.device)
+            return value
+        t = torch.tensor(value, dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t)
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        """Parameters, gradients and optimizer state alive between steps (what the probe's baseline counts)."""
+        out = [q for q in self.params] + [q.grad for q in self.params if q.grad is not None]
+        for opt in self.optims:
+            for st in opt.state.values():
+                out += [v for v in st.values() if isinstance(v, torch.Tensor)]
+        return out
 
     def _maybe_resume(self) -> int:
         if not (self.cfg.resume and self.cfg.checkpoint_dir):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from executor.data import Shard, SyntheticData, TokenFile
-from executor.metrics import warmup_steps
+from executor.metrics import Metrics, tensor_bytes, track_cpu_allocations, warmup_steps
 from executor.train import TrainConfig, grad_norm_sq, local_grads, lr_multiplier
 from planner.errors import InputError
 
@@ -52,3 +52,30 @@ def test_grad_norm_weights_replicas_and_excludes_copies():
     assert float(grad_norm_sq(groups)) == pytest.approx((12 + 2) / 2)  # each rank counts half
     groups = local_grads([a, b], replicas=1, exclude=frozenset({id(b)}))
     assert float(grad_norm_sq(groups)) == pytest.approx(12)
+
+
+def test_cpu_allocation_tracking_sees_the_peak_of_live_tensors():
+    """The probe behind `peak_tensor_bytes`: 4 MB + 4 MB live, one freed, then 8 MB: the peak above the
+    start is 12 MB (plus the few bytes torch allocates for scalars), not the 16 MB allocated in total."""
+    before = torch.randn(1000, 1000)
+    with track_cpu_allocations() as tracked:
+        a = torch.randn(1000, 1000)
+        b = a * 2
+        del a
+        c = torch.randn(2000, 1000)
+        del before
+    assert 12_000_000 <= tracked["peak"] < 12_100_000
+    assert b.numel() + c.numel() == 3_000_000
+
+
+def test_tensor_bytes_counts_each_storage_once():
+    x = torch.zeros(100, dtype=torch.float32)
+    assert tensor_bytes([x, x[:10], x.view(10, 10), torch.zeros(5, dtype=torch.float64)]) == 400 + 40
+
+
+def test_instrumented_steps_are_left_out_of_the_median(tmp_path):
+    m = Metrics(str(tmp_path / "m.jsonl"), True)
+    for i, (t, timed) in enumerate([(9.0, True), (5.0, False), (1.0, True), (1.0, True)]):
+        m.step(i + 1, 0.0, t, 10, 0, timed=timed)
+    rec = m.summary(1.0, peak_tensor_bytes=123)
+    assert rec["measured_iteration_time_s"] == 1.0 and rec["peak_tensor_bytes"] == 123
