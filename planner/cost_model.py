@@ -75,8 +75,9 @@ def tp_comm_time(profile, kind: str, b: int, s: int, h: int, tp: int, dtype: str
     """TP collectives per micro-batch (Shoeybi et al. 2019, §3): a block does 2 all-reduces of b·s·h in
     forward and 2 in backward (with sequence parallelism the same volume as all-gather + reduce-scatter
     pairs, Korthikanti et al. 2022 §4.2.2); full recompute repeats the 2 forward ones. The vocab-parallel
-    embedding reduces once in forward, the head's input gradient once in backward."""
-    if tp <= 1:
+    embedding reduces once in forward, the head's input gradient once in backward. Zero when the profiler
+    timed the layer tensor-parallel across ranks: its time includes them."""
+    if tp <= 1 or profile.tp_collectives_measured(kind, tp):  # then already in the layer's time
         return 0.0
     count = {"block": 4 + (2 if mode == "full" else 0), "embedding": 1, "head": 1}[kind]
     nbytes = b * s * h * DTYPE_BYTES[dtype]
@@ -92,36 +93,95 @@ def pp_comm_time(profile, b: int, s: int, h: int, tp: int, dtype: str, sequence_
     return profile.collective_time("send_recv", nbytes, 2, link_class) * profile.correction("pp_comm")
 
 
-def dp_sync_time(profile, params: float, dtype: str, dp: int, zero: int, link_class: str) -> float:
-    """Data-parallel traffic once per iteration for `params` (already ÷tp): ZeRO 0/1 all-reduce the
-    accumulated gradients after the last micro-batch (Li et al. VLDB'20, PyTorch DDP no_sync); ZeRO-2
-    all-gathers the updated parameter shards after the step (Rajbhandari et al. SC'20 §5.2); ZeRO-3 has
-    nothing left to do (its traffic is per micro-batch, `sharded_dp_time`)."""
-    if dp <= 1 or zero >= 3:
+def pipeline_stage_time(profile, hop: float, crossings: int) -> float:
+    """Per stage and micro-batch: the pipeline's cost for a stage with `crossings` neighbours on other
+    ranks. Measured in situ (torch.distributed.pipelining's bookkeeping, P2P and waits of a stage with
+    one neighbour; a second neighbour adds a hop), else the link fit's `hop` per neighbour."""
+    if crossings == 0:
         return 0.0
-    nbytes = params * DTYPE_BYTES[dtype]
-    op = "all_reduce" if zero <= 1 else "all_gather"
-    return profile.collective_time(op, nbytes, dp, link_class) * profile.correction("dp_comm")
+    if profile.pipeline_overhead_s > 0:
+        return profile.pipeline_overhead_s * profile.correction("pp_comm") + hop * (crossings - 1)
+    return hop * crossings
+
+
+def dp_ops(zero: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(once per iteration, every micro-batch) data-parallel collectives of one wrapped unit, as the
+    executor's engines run them with gradient accumulation (executor/train.py; torch.distributed.pipelining
+    does the same): ZeRO-0 (replicate) all-reduces the accumulated gradients after the last micro-batch
+    (Li et al. VLDB'20, DDP no_sync); ZeRO-1/2 (FSDP2 keeping parameters gathered between micro-batches)
+    reduce-scatter them and all-gather the updated parameter shards at the next forward (Rajbhandari et
+    al. SC'20 §5.2); ZeRO-3 reduce-scatters once and all-gathers the parameters before every forward and
+    again before every backward (SC'20 §5.3; FSDP2 reshards after forward)."""
+    if zero == 0:
+        return ("all_reduce",), ()
+    if zero <= 2:
+        return ("reduce_scatter", "all_gather"), ()
+    return ("reduce_scatter",), ("all_gather", "all_gather")
+
+
+def _link_time(profile, ops: tuple[str, ...], nbytes: float, dp: int, link_class: str) -> float:
+    return sum(profile.collective_time(op, nbytes, dp, link_class) for op in ops)
+
+
+def in_situ_factor(profile, zero: int) -> float | None:
+    """Measured cost of the engine's per-iteration reduction (profiler/wrappers.py) over what the link
+    fit predicts for the same units and ranks: on CPU collectives inside FSDP2 cost several times the
+    bare link fit (copy-in/out, waiting for the slower rank). None without an in-situ sample."""
+    w = profile.wrapper(zero)
+    if w is None:
+        return None
+    ops, _ = dp_ops(zero)
+    ref = sum(_link_time(profile, ops, n * DTYPE_BYTES[profile.dtype], w.ranks, "intra_node") for n in w.unit_params)
+    return w.sync_s / ref if ref > 0 else None
+
+
+def dp_sync_time(profile, params: float, dtype: str, dp: int, zero: int, link_class: str) -> float:
+    """Data-parallel traffic once per iteration for one unit of `params` (already ÷tp), `dp_ops`; scaled by
+    the engine's in-situ factor when the profiler measured it (then it is the exposed time: see
+    `unhidden_share`)."""
+    if dp <= 1:
+        return 0.0
+    ops, _ = dp_ops(zero)
+    t = _link_time(profile, ops, params * DTYPE_BYTES[dtype], dp, link_class)
+    k = in_situ_factor(profile, zero)
+    return t * (k if k is not None else 1.0) * profile.correction("dp_comm")
 
 
 def sharded_dp_time(profile, params: float, dtype: str, dp: int, zero: int, link_class: str) -> float:
-    """Data-parallel traffic every micro-batch, overlapped with its compute (`evaluate`): with sharded
-    gradients (ZeRO ≥ 2) each backward reduce-scatters its gradients (Rajbhandari et al. SC'20 §5.2; FSDP2
-    with gradient accumulation), and ZeRO-3 / FSDP also all-gathers a layer's parameters before its
-    forward and again before its backward (SC'20 §5.3; FSDP2 reshards after forward)."""
-    if dp <= 1 or zero < 2:
+    """Data-parallel cost of one unit every micro-batch: the engine's hooks and, under ZeRO-3, the two
+    parameter gathers (`dp_ops`). Measured in situ when the profiler could (exposed, per unit), else the
+    link fit's gathers, overlapped with compute in `evaluate`."""
+    if dp <= 1:
         return 0.0
-    nbytes = params * DTYPE_BYTES[dtype]
-    t = profile.collective_time("reduce_scatter", nbytes, dp, link_class)
-    if zero >= 3:
-        t += 2.0 * profile.collective_time("all_gather", nbytes, dp, link_class)
-    return t * profile.correction("dp_comm")
+    w = profile.wrapper(zero)
+    if w is not None:
+        return w.hook_s * profile.correction("dp_comm")
+    _, ops = dp_ops(zero)
+    return _link_time(profile, ops, params * DTYPE_BYTES[dtype], dp, link_class) * profile.correction("dp_comm")
+
+
+def root_hook_time(profile, dp: int, zero: int) -> float:
+    """Per stage and micro-batch: the hooks of the stage's root unit (executor wraps the stage module
+    itself too), measured in situ; 0 without a sample (presets)."""
+    w = profile.wrapper(zero) if dp > 1 else None
+    return w.hook_s * profile.correction("dp_comm") if w is not None else 0.0
+
+
+def unhidden_share(profile, dp: int, zero: int, num_layers: int, num_stages: int) -> float:
+    """Share of data-parallel traffic that never overlaps compute: the last bucket (one of a stage's
+    layers), or all of it when it was measured in situ (the measurement is the exposed time)."""
+    if dp > 1 and profile.wrapper(zero) is not None:
+        return 1.0
+    return 1.0 / max(1.0, num_layers / num_stages)
 
 
 def optimizer_time(profile, params: float, dp: int, zero: int) -> float:
     """Adam step over the parameters this device updates (÷dp with ZeRO ≥ 1): memory bound, measured
-    or preset seconds per parameter (profiler/presets.py: 36 B touched per parameter)."""
-    return profile.optimizer_s_per_param * params / (dp if zero >= 1 else 1) * profile.correction("optimizer")
+    or preset seconds per parameter (profiler/presets.py: 36 B touched per parameter), times the
+    measured cost of stepping the data-parallel engine's DTensor parameters."""
+    w = profile.wrapper(zero) if dp > 1 else None
+    ratio = w.optimizer_ratio if w is not None else 1.0
+    return profile.optimizer_s_per_param * params / (dp if zero >= 1 else 1) * ratio * profile.correction("optimizer")
 
 
 def bubble_micro_batches(schedule: str, pp: int, v: int, zb_ratio: float) -> float:
@@ -191,9 +251,10 @@ class StageProblem:
 
     Per layer l: `time` = forward + backward + TP comm per micro-batch; `fwd`, `bwd`; `act` bytes per
     micro-batch without recompute; `state` bytes of parameters + gradients + optimizer; `opt` and `dp`
-    seconds per iteration; `gather` sharded-DP (ZeRO ≥ 2) seconds per micro-batch. Per block: `rec_time` and
-    `rec_saving` when recomputed. Per stage: `boundary` PP comm per micro-batch and `rank`. Per rank:
-    `inflight` multiplier and `fixed` bytes (tied copy, ZeRO-3 workspace).
+    seconds per iteration; `gather` data-parallel seconds per micro-batch (hooks, ZeRO-3 gathers). Per
+    block: `rec_time` and `rec_saving` when recomputed. Per stage: `boundary` PP comm per micro-batch
+    (plus the stage root unit's data-parallel hooks when measured) and `rank`. Per rank: `inflight`
+    multiplier and `fixed` bytes (tied copy, ZeRO-3 workspace).
     """
 
     kinds: list[str]
@@ -217,7 +278,7 @@ class StageProblem:
     weight: float  # m + bubble micro-batches
     bubble: float  # bubble micro-batches
     m: int
-    unhidden: float  # share of DP traffic that can never overlap (the last bucket)
+    unhidden: float  # share of DP traffic that can never overlap (the last bucket; 1: measured exposed)
     recompute: str  # "free": 0..n per stage; "none"; "all"
     cuts: list[bool] = field(default_factory=list)  # cuts[l]: a stage may start at layer l (l ≥ 1)
 
@@ -390,19 +451,28 @@ class Terms:
         """(state bytes, optimizer s, per-iteration DP sync s, per-micro-batch sharded DP s) of every layer."""
         def make():
             pb, gb, ob = state_bytes_per_param(self.dtype, zero, dp)
-            by_params: dict[int, tuple] = {}
+            by_params: dict[tuple, tuple] = {}
             out: tuple[list, list, list, list] = ([], [], [], [])
+            in_situ = dp > 1 and self.profile.wrapper(zero) is not None
             for layer in self.model.layers:
-                if layer.params not in by_params:
+                key = (layer.params, layer.kind == "block")
+                if key not in by_params:
                     w = layer.params / tp
-                    by_params[layer.params] = (
+                    # in situ, the embedding's and head's hooks are the stage root's (root_hook_time)
+                    per_mb = 0.0 if in_situ and layer.kind != "block" else \
+                        sharded_dp_time(self.profile, w, self.dtype, dp, zero, link)
+                    by_params[key] = (
                         w * (pb + gb + ob), optimizer_time(self.profile, w, dp, zero),
-                        dp_sync_time(self.profile, w, self.dtype, dp, zero, link),
-                        sharded_dp_time(self.profile, w, self.dtype, dp, zero, link))
-                for lst, value in zip(out, by_params[layer.params]):
+                        dp_sync_time(self.profile, w, self.dtype, dp, zero, link), per_mb)
+                for lst, value in zip(out, by_params[key]):
                     lst.append(value)
             return out
         return self._get(("layer", tp, dp, zero, link), make)
+
+
+def crossings(rank: list[int], k: int) -> int:
+    """Neighbours of stage k that live on another pipeline rank."""
+    return int(k > 0 and rank[k - 1] != rank[k]) + int(k < len(rank) - 1 and rank[k + 1] != rank[k])
 
 
 def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtype: str, links: Links,
@@ -423,8 +493,8 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
     S = cand.num_stages
     rank = [stage_rank(k, pp, cand.schedule, v) for k in range(S)]
     hop = terms.hop(b, tp, links.pp) if pp > 1 else 0.0
-    boundary = [hop * ((k > 0 and rank[k - 1] != rank[k]) + (k < S - 1 and rank[k + 1] != rank[k]))
-                for k in range(S)]
+    root = root_hook_time(profile, dp, zero)
+    boundary = [root + pipeline_stage_time(profile, hop, crossings(rank, k)) for k in range(S)]
     inflight = [in_flight(cand.schedule, pp, v, cand.m, r) for r in range(pp)]
     fixed = [0.0] * pp
     pb, gb, ob = state_bytes_per_param(dtype, zero, dp)
@@ -440,7 +510,7 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
         kinds=kinds, time=time, fwd=fwd, bwd=bwd, act=act, state=state, opt=opt, dp=dps, gather=gather,
         rec_time=rec_time, rec_saving=rec_saving, rec_tp=rec_tp, boundary=boundary, rank=rank, pp=pp,
         inflight=inflight, fixed=fixed, mem_limit=mem_limit, weight=cand.m + bubble, bubble=bubble, m=cand.m,
-        unhidden=1.0 / max(1.0, len(kinds) / S), recompute=recompute, cuts=cuts,
+        unhidden=unhidden_share(profile, dp, zero, len(kinds), S), recompute=recompute, cuts=cuts,
     )
 
 

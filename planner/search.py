@@ -24,11 +24,15 @@ from planner.cost_model import (
     Terms,
     bubble_micro_batches,
     build_problem,
+    crossings,
     evaluate,
     in_flight,
     least_recompute,
     model_flops_per_iteration,
+    pipeline_stage_time,
+    root_hook_time,
     state_bytes_per_param,
+    unhidden_share,
     zb_ratio,
 )
 from planner.errors import InfeasibleError, InputError
@@ -163,11 +167,11 @@ class Search:
         tmax = max(rows[k][0] + rows[k][1] + rows[k][2] for k in q.counts)
         agg = self._layer_sums(tp, cand.dp, cand.zero, links.dp)
         rank = self._ranks(pp, cand.schedule, cand.v)
-        crossings = sum(1 for k in range(S - 1) if rank[k] != rank[k + 1])
         hop = self.terms.hop(b, tp, links.pp) if pp > 1 else 0.0
-        unhidden = 1.0 / max(1.0, q.num_layers / S)
+        pipe = sum(pipeline_stage_time(self.profile, hop, crossings(rank, k)) for k in range(S))
+        unhidden = unhidden_share(self.profile, cand.dp, cand.zero, q.num_layers, S)
         z3 = max(agg["gather"] - fsum - gsum, unhidden * agg["gather"]) if agg["gather"] > 0 else 0.0
-        work = tsum + 2 * crossings * hop + z3
+        work = tsum + pipe + z3 + S * root_hook_time(self.profile, cand.dp, cand.zero)
         rec_time, rec_saving, _ = self.terms.recompute(b, tp, cand.recompute)
         recompute = "none" if cand.recompute == "none" else ("all" if cand.recompute_pinned else "free")
         inflight = self._inflight(cand.schedule, pp, cand.v, cand.m)

@@ -103,6 +103,16 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
+def covers(profile, cfg) -> bool:
+    """Whether a cached profile holds every point this request would measure: each (micro-batch, sequence)
+    size and TP degree, the whole-model chain, and the in-situ engine and pipeline measurements when
+    several ranks run."""
+    have = {(c.micro_batch_size, c.seq_len, c.tp) for c in profile.compute if c.kind == "block"}
+    want = {(b, s, t) for b in cfg.micro_batch_sizes for s in cfg.seq_lens for t in cfg.tps}
+    in_situ = cfg.nprocs < 2 or bool(profile.wrappers)
+    return want <= have and in_situ and bool(profile.chains)
+
+
 def _measure_or_cached(args: argparse.Namespace, model, cluster):
     from profiler.cache import load_cached, store
     from profiler.compute import TimingConfig
@@ -116,6 +126,11 @@ def _measure_or_cached(args: argparse.Namespace, model, cluster):
     # under torchrun every rank must take part in the measurement: a cache hit on one host only would hang
     if not args.force and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         cached = load_cached(model, device_name(cfg.device_kind), args.dtype, concurrent)
+        if cached is not None and not covers(cached, cfg):
+            if not args.quiet:
+                print("the cached profile lacks some of the requested sizes or in-situ measurements: "
+                      "measuring again", file=sys.stderr)
+            cached = None
         if cached is not None:
             if not args.quiet:
                 print(f"using the cached profile measured {cached.created} (--force re-measures)", file=sys.stderr)

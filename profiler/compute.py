@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from planner.model_spec import ModelSpec
-from profiler.layers import build_case, forward
+from profiler.layers import build_case, build_tp_case, forward
 from profiler.profile import ComputeSample
 
 
@@ -70,15 +70,20 @@ def spread(xs: list[float]) -> float:
 
 
 def time_passes(spec: ModelSpec, kind: str, b: int, s: int, tp: int, dtype: str, device: torch.device,
-                cfg: TimingConfig, recompute: str = "none") -> tuple[list[float], list[float]]:
-    """Forward and backward seconds of each timed repeat of one layer."""
-    case = build_case(spec, kind, b, s, tp, dtype, device)
+                cfg: TimingConfig, recompute: str = "none", tp_mesh=None) -> tuple[list[float], list[float]]:
+    """Forward and backward seconds of each timed repeat of one layer: the shard one TP rank computes,
+    or with `tp_mesh` the real tensor-parallel layer across that mesh's ranks (a fixed number of passes,
+    so that every rank of the mesh runs the same collectives)."""
+    if tp_mesh is not None:
+        case = build_tp_case(spec, kind, b, s, tp_mesh, dtype, device)
+    else:
+        case = build_case(spec, kind, b, s, tp, dtype, device)
     watch = Stopwatch(device)
     fwds, bwds = [], []
     if device.type == "cuda":
         torch.cuda.synchronize()
     i = 0
-    while i < cfg.warmup + cfg.repeats or (i < cfg.warmup + cfg.max_repeats
+    while i < cfg.warmup + cfg.repeats or (tp_mesh is None and i < cfg.warmup + cfg.max_repeats
                                            and sum(fwds) + sum(bwds) < cfg.budget_s):
         x = case.make_input()
         out, t_fwd = watch.time(lambda: forward(case, x, recompute))
@@ -94,14 +99,17 @@ def time_passes(spec: ModelSpec, kind: str, b: int, s: int, tp: int, dtype: str,
 
 
 def measure_sample(spec: ModelSpec, kind: str, b: int, s: int, tp: int, dtype: str, device: torch.device,
-                   cfg: TimingConfig, recompute_modes: tuple[str, ...] = ("full", "selective")) -> ComputeSample:
-    """One ComputeSample; for blocks also the backward time with each recompute mode."""
-    fwds, bwds = time_passes(spec, kind, b, s, tp, dtype, device, cfg)
+                   cfg: TimingConfig, recompute_modes: tuple[str, ...] = ("full", "selective"),
+                   tp_mesh=None) -> ComputeSample:
+    """One ComputeSample; for blocks also the backward time with each recompute mode. With `tp_mesh`
+    (of size tp) the layer runs tensor-parallel across it and the times include its collectives."""
+    fwds, bwds = time_passes(spec, kind, b, s, tp, dtype, device, cfg, tp_mesh=tp_mesh)
     sample = ComputeSample(kind, b, s, tp, forward_s=median(fwds), backward_s=median(bwds),
-                           spread=spread([f + g for f, g in zip(fwds, bwds)]))
+                           spread=spread([f + g for f, g in zip(fwds, bwds)]),
+                           with_collectives=tp_mesh is not None)
     if kind == "block":
         for mode in recompute_modes:
-            _, bwd_mode = time_passes(spec, kind, b, s, tp, dtype, device, cfg, recompute=mode)
+            _, bwd_mode = time_passes(spec, kind, b, s, tp, dtype, device, cfg, recompute=mode, tp_mesh=tp_mesh)
             setattr(sample, f"backward_{mode}_s", median(bwd_mode))
     return sample
 
@@ -117,11 +125,14 @@ class Point:
         return f"{self.kind} b={self.b} s={self.s} t={self.tp}"
 
 
-def grid(micro_batch_sizes: list[int], seq_lens: list[int], tps: list[int]) -> list[Point]:
-    """The (kind, b, s, t) points to measure: the embedding does not depend on t (not sharded)."""
+def grid(micro_batch_sizes: list[int], seq_lens: list[int], tps: list[int], embedding_tps: bool = False
+         ) -> list[Point]:
+    """The (kind, b, s, t) points to measure. A rank's embedding shard costs about what the whole one
+    does (a lookup), so it is measured at t = 1 only, unless `embedding_tps` (measured across TP ranks,
+    where its all-reduce counts)."""
     points = []
     for kind in ("embedding", "block", "head"):
-        for tp in tps if kind != "embedding" else [1]:
+        for tp in tps if kind != "embedding" or embedding_tps else [1]:
             for s in seq_lens:
                 for b in micro_batch_sizes:
                     points.append(Point(kind, b, s, tp))

@@ -54,6 +54,19 @@ def shard_spec(spec: ModelSpec, kind: str, tp: int) -> ModelSpec:
     return spec  # the embedding is not sharded by the plans meshplan makes
 
 
+class HeadLoss(nn.Module):
+    """The LM head followed by the loss on fixed targets: the head's measured forward ends in the scalar
+    loss, as the last pipeline stage's does."""
+
+    def __init__(self, head: nn.Module, targets: torch.Tensor):
+        super().__init__()
+        self.head = head
+        self.targets = targets
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return loss_fn(self.head(x), self.targets)
+
+
 @dataclass
 class LayerCase:
     """One measurable layer: the module (the head's includes the loss), a fresh input, and how to turn
@@ -90,17 +103,7 @@ def build_case(spec: ModelSpec, kind: str, b: int, s: int, tp: int, dtype: str, 
     module = module.to(device=device, dtype=tdtype)
     if kind == "head":  # head + loss: the forward ends in the scalar loss (see `forward`)
         targets = torch.randint(0, shard.vocab_size, (b, s), generator=gen).to(device)
-        head = module
-
-        class HeadLoss(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.head = head
-
-            def forward(self, x: torch.Tensor) -> torch.Tensor:
-                return loss_fn(self.head(x), targets)
-
-        module = HeadLoss()
+        module = HeadLoss(module, targets)
 
         def backward(loss: torch.Tensor) -> None:
             loss.backward()
@@ -110,6 +113,45 @@ def build_case(spec: ModelSpec, kind: str, b: int, s: int, tp: int, dtype: str, 
         def backward(out: torch.Tensor) -> None:
             out.backward(grad)
     return LayerCase(kind, module, make_input, backward)
+
+
+def build_tp_case(spec: ModelSpec, kind: str, b: int, s: int, tp_mesh, dtype: str, device: torch.device,
+                  seed: int = 0) -> LayerCase:
+    """The layer of `kind` parallelised over `tp_mesh` exactly as the executor does it (executor.parallelize
+    .apply_tp with sequence parallelism, DTensor collectives included), seen from one rank of the group:
+    block and head take this rank's sequence shard, the embedding the full token ids. Every rank of the
+    mesh must run the same passes (the collectives pair them up)."""
+    from executor.model import Transformer
+    from executor.parallelize import apply_tp, materialise
+
+    tp = tp_mesh.size()
+    if s % tp:
+        raise InputError(f"--seq-len: tensor parallel degree {tp} does not divide the sequence length {s}")
+    index = {"embedding": 0, "block": 1, "head": spec.num_layers + 1}[kind]
+    with torch.device("meta"):
+        model = Transformer(replace(spec, tied_embeddings=False)).keep_layers(index, index + 1)
+    apply_tp(model, tp_mesh, sequence_parallel=True)
+    materialise(model, device, seed)
+    model = model.to(TORCH_DTYPES[dtype])
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    local = (b, s // tp, spec.hidden_size)
+    if kind == "embedding":
+        module: nn.Module = model.embedding
+        tokens = torch.randint(0, spec.vocab_size, (b, s), generator=gen).to(device)
+
+        def make_input() -> torch.Tensor:
+            return tokens
+    else:
+        x0 = torch.randn(*local, generator=gen).to(device=device, dtype=TORCH_DTYPES[dtype])
+
+        def make_input() -> torch.Tensor:
+            return x0.detach().requires_grad_(True)
+        module = model.blocks["0"] if kind == "block" else model.head
+    if kind == "head":
+        targets = torch.randint(0, spec.vocab_size, (b, s), generator=gen).to(device)
+        return LayerCase(kind, HeadLoss(module, targets), make_input, lambda loss: loss.backward())
+    grad = torch.randn(*local, generator=gen).to(device=device, dtype=TORCH_DTYPES[dtype])
+    return LayerCase(kind, module, make_input, lambda out: out.backward(grad))
 
 
 class _CheckpointAttentionCore(TorchFunctionMode):

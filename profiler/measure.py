@@ -25,16 +25,20 @@ from profiler.compute import Stopwatch, TimingConfig, grid, measure_sample, medi
 from profiler.layers import build_case
 from profiler.links import LinkTiming, fit_timings, message_sizes, time_ops
 from profiler.memory import measure_activations, measure_state
+from profiler.pipeline_insitu import measure_pipeline_overhead
 from profiler.profile import (
     LINK_OPS,
     RECOMPUTE_MODES,
+    ChainSample,
     ComputeSample,
     LinkFit,
     MemorySample,
     Profile,
     StateSample,
+    WrapperSample,
 )
 from profiler.progress import Reporter
+from profiler.wrappers import measure_chains, measure_wrappers
 
 # On GPU the other ranks wait in a barrier while rank 0 measures compute, which can take long for a big
 # model: longer than NCCL's default 10-minute watchdog.
@@ -105,26 +109,55 @@ def measure_optimizer(spec: ModelSpec, dtype: str, device: torch.device, timing:
     return median(times) / sum(p.numel() for p in params)
 
 
-def _compute_phase(cfg: MeasureConfig, rank: int, device: torch.device, reporter: Reporter | None,
-                   distributed: bool) -> tuple[list[ComputeSample], float]:
+def tp_meshes(cfg: MeasureConfig, world: int, local_world: int) -> dict:
+    """A (groups, tp) DeviceMesh's "tp" dimension for each TP degree that the ranks of one node can form
+    (consecutive ranks, as the executor's placement puts TP innermost); every rank must call this."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return {tp: init_device_mesh(cfg.device_kind, (world // tp, tp), mesh_dim_names=("groups", "tp"))["tp"]
+            for tp in joint_tps(cfg, world, local_world)}
+
+
+def joint_tps(cfg: MeasureConfig, world: int, local_world: int) -> list[int]:
+    return [tp for tp in cfg.tps if world > 1 and 1 < tp <= local_world and local_world % tp == 0
+            and world % tp == 0 and all(s % tp == 0 for s in cfg.seq_lens)]
+
+
+def _compute_phase(cfg: MeasureConfig, rank: int, world: int, local_world: int, device: torch.device,
+                   reporter: Reporter | None, distributed: bool
+                   ) -> tuple[list[ComputeSample], list[ChainSample], float]:
     """Every CPU rank measures the same points at once (they start each point together); on GPU only
-    rank 0 measures (GPUs do not share compute) while the others wait."""
+    rank 0 measures (GPUs do not share compute) while the others wait. TP degrees the ranks can form are
+    timed for real across a TP group (collectives and DTensor dispatch included, which on CPU cost many
+    times the bare link fit); others as one rank's shard shapes."""
     measuring = cfg.device_kind == "cpu" or rank == 0
+    meshes = tp_meshes(cfg, world, local_world) if distributed else {}
     samples = []
-    for point in grid(cfg.micro_batch_sizes, cfg.seq_lens, cfg.tps):
+    for point in grid(cfg.micro_batch_sizes, cfg.seq_lens, cfg.tps, embedding_tps=bool(meshes)):
         if reporter is not None:
             reporter.step(f"compute {point.label()}")
         if distributed:
             dist.barrier()
-        if measuring:
+        mesh = meshes.get(point.tp)
+        if point.tp > 1 and mesh is not None:  # CPU: every TP group at once; GPU: the first group
+            if cfg.device_kind == "cpu" or rank < point.tp:
+                samples.append(measure_sample(cfg.model, point.kind, point.b, point.s, point.tp, cfg.dtype,
+                                              device, cfg.timing, tp_mesh=mesh))
+        elif measuring and (point.kind != "embedding" or point.tp == 1):
             samples.append(measure_sample(cfg.model, point.kind, point.b, point.s, point.tp, cfg.dtype, device,
                                           cfg.timing))
+    if reporter is not None:
+        reporter.step("whole-model chain")
+    if distributed:
+        dist.barrier()
+    chains = measure_chains(cfg.model, cfg.micro_batch_sizes, max(cfg.seq_lens), cfg.dtype, device,
+                            cfg.timing) if measuring else []
     if reporter is not None:
         reporter.step("optimizer step")
     if distributed:
         dist.barrier()
     opt = measure_optimizer(cfg.model, cfg.dtype, device, cfg.timing) if measuring else 0.0
-    return samples, opt
+    return samples, chains, opt
 
 
 def _link_phase(cfg: MeasureConfig, world: int, local_world: int, device: torch.device,
@@ -146,8 +179,10 @@ def _link_phase(cfg: MeasureConfig, world: int, local_world: int, device: torch.
 
 def _steps(cfg: MeasureConfig, world: int, local_world: int) -> int:
     links = (local_world >= 2) + (world // local_world >= 2)
-    return len(grid(cfg.micro_batch_sizes, cfg.seq_lens, cfg.tps)) + 2 + links * len(LINK_OPS) * len(
-        message_sizes(cfg.min_message_bytes, cfg.max_message_bytes))
+    embedding_tps = bool(joint_tps(cfg, world, local_world))
+    in_situ = (world > 1) + (world > 1 and world % 2 == 0)  # data-parallel engines, pipeline schedule
+    return len(grid(cfg.micro_batch_sizes, cfg.seq_lens, cfg.tps, embedding_tps)) + 3 + in_situ + \
+        links * len(LINK_OPS) * len(message_sizes(cfg.min_message_bytes, cfg.max_message_bytes))
 
 
 def run_rank(cfg: MeasureConfig, rank: int, world: int, local_rank: int, local_world: int) -> dict | None:
@@ -167,7 +202,21 @@ def _run_rank(cfg: MeasureConfig, rank: int, world: int, local_rank: int, local_
         torch.set_num_threads(cfg.threads_per_rank or default_threads(local_world))
     reporter = Reporter(_steps(cfg, world, local_world), enabled=cfg.show_progress) if rank == 0 else None
     try:
-        compute, opt = _compute_phase(cfg, rank, device, reporter, world > 1)
+        compute, chains, opt = _compute_phase(cfg, rank, world, local_world, device, reporter, world > 1)
+        wrappers = []
+        if world > 1:
+            if reporter is not None:
+                reporter.step("data-parallel engines in situ")
+            dist.barrier()
+            wrappers = measure_wrappers(cfg.model, min(cfg.micro_batch_sizes), max(cfg.seq_lens), cfg.dtype,
+                                        device, cfg.timing)
+        pipeline = 0.0
+        if world > 1 and world % 2 == 0:
+            if reporter is not None:
+                reporter.step("pipeline schedule in situ")
+            dist.barrier()
+            pipeline = measure_pipeline_overhead(cfg.model, min(cfg.micro_batch_sizes), max(cfg.seq_lens),
+                                                 cfg.dtype, device, cfg.timing)
         timings = _link_phase(cfg, world, local_world, device, reporter) if world > 1 else {}
     finally:
         if reporter is not None:
@@ -177,10 +226,12 @@ def _run_rank(cfg: MeasureConfig, rank: int, world: int, local_rank: int, local_
     if reporter is not None:
         reporter.step("activation and model-state memory")
     memory, state = measure_memory(cfg, device)  # rank 0 alone: bytes do not depend on contention
-    return {"compute": [asdict(c) for c in compute], "optimizer_s_per_param": opt,
+    return {"compute": [asdict(c) for c in compute], "chains": [asdict(c) for c in chains],
+            "optimizer_s_per_param": opt,
             "memory": [asdict(m) for m in memory], "state": [asdict(x) for x in state],
             "threads_per_rank": torch.get_num_threads() if cfg.device_kind == "cpu" else 0,
-            "links": {k: [asdict(t) for t in v] for k, v in timings.items()}}
+            "links": {k: [asdict(t) for t in v] for k, v in timings.items()},
+            "wrappers": [asdict(w) for w in wrappers], "pipeline_overhead_s": pipeline}
 
 
 def _free_port() -> int:
@@ -271,6 +322,9 @@ def measure_profile(cfg: MeasureConfig) -> Profile:
         optimizer_s_per_param=result["optimizer_s_per_param"], concurrent_ranks=concurrent,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         state=[StateSample(**x) for x in result["state"]],
+        wrappers=[WrapperSample(**w) for w in result.get("wrappers", [])],
+        pipeline_overhead_s=result.get("pipeline_overhead_s", 0.0),
+        chains=[ChainSample(**c) for c in result.get("chains", [])],
         threads_per_rank=result["threads_per_rank"],
         settings={"warmup": t.warmup, "repeats": t.repeats, "max_repeats": t.max_repeats, "budget_s": t.budget_s,
                   "ranks": cfg.nprocs,

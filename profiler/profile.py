@@ -9,6 +9,7 @@ bytes = measured/analytic ratio × analytic), so a few measured points answer th
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 from planner.errors import InputError
@@ -52,6 +53,9 @@ class ComputeSample:
     # backward including the re-run forward with full / selective recompute (0: not measured)
     backward_full_s: float = 0.0
     backward_selective_s: float = 0.0
+    # True: timed tensor-parallel across tp ranks, TP collectives (and DTensor's dispatch) included;
+    # False: one rank's shard shapes alone (the cost model adds the collectives from the link fit)
+    with_collectives: bool = False
 
     @classmethod
     def from_dict(cls, data: dict, path: str) -> "ComputeSample":
@@ -59,7 +63,8 @@ class ComputeSample:
         return cls(f.str("kind", choices=LAYER_KINDS), f.int("micro_batch_size", min=1), f.int("seq_len", min=1),
                    f.int("tp", min=1), f.float("forward_s", min=0.0), f.float("backward_s", min=0.0),
                    f.float("spread", min=0.0, default=0.0), f.float("backward_full_s", min=0.0, default=0.0),
-                   f.float("backward_selective_s", min=0.0, default=0.0))
+                   f.float("backward_selective_s", min=0.0, default=0.0),
+                   f.bool("with_collectives", default=False))
 
 
 @dataclass
@@ -121,6 +126,55 @@ class LinkFit:
 
 
 @dataclass
+class ChainSample:
+    """Forward + backward seconds of the model cut to embedding, `blocks` blocks and head + loss, run
+    as one module (profiler/wrappers.py): layers in sequence run slower than the same layers timed
+    alone (caches, allocator), by a factor the planner applies to the per-layer fit."""
+
+    micro_batch_size: int
+    seq_len: int
+    blocks: int
+    seconds: float
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str) -> "ChainSample":
+        f = Fields(data, path)
+        return cls(f.int("micro_batch_size", min=1), f.int("seq_len", min=1), f.int("blocks", min=1),
+                   f.float("seconds", min=0.0))
+
+
+ENGINES = ("replicate", "fully_shard", "fully_shard_reshard")  # executor.parallelize.apply_dp at ZeRO 0, 1-2, 3
+
+
+def engine_for(zero: int) -> str:
+    return ENGINES[0] if zero == 0 else (ENGINES[1] if zero <= 2 else ENGINES[2])
+
+
+@dataclass
+class WrapperSample:
+    """The data-parallel engine's own costs, measured in situ (profiler/wrappers.py) on `ranks` ranks."""
+
+    engine: str
+    ranks: int
+    micro_batch_size: int
+    seq_len: int
+    unit_params: list[int]  # parameters of each wrapped unit of the measured model (blocks, then the root)
+    hook_s: float  # added per wrapped unit per gradient-accumulation micro-batch (ZeRO-3: with its gathers)
+    sync_s: float  # added by a synchronising micro-batch over all units (the per-iteration reduction)
+    optimizer_ratio: float  # AdamW over the engine's parameters / over plain tensors of the same size
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str) -> "WrapperSample":
+        f = Fields(data, path)
+        units = f.list("unit_params")
+        if not units or not all(isinstance(x, int) and x >= 0 for x in units):
+            raise InputError(f"{path}.unit_params: expected a non-empty list of parameter counts")
+        return cls(f.str("engine", choices=ENGINES), f.int("ranks", min=2), f.int("micro_batch_size", min=1),
+                   f.int("seq_len", min=1), units, f.float("hook_s", min=0.0), f.float("sync_s", min=0.0),
+                   f.float("optimizer_ratio", min=0.0))
+
+
+@dataclass
 class Profile:
     model: ModelSpec
     dtype: str
@@ -138,16 +192,53 @@ class Profile:
     state: list[StateSample] = field(default_factory=list)
     threads_per_rank: int = 0  # torch intra-op threads of each measuring process (CPU), 0: not recorded
     settings: dict[str, float] = field(default_factory=dict)  # warm-up, repeats, ... of the measurement
+    wrappers: list[WrapperSample] = field(default_factory=list)  # data-parallel engines in situ (measured)
+    # torch.distributed.pipelining's own cost per stage and micro-batch, P2P included (measured in situ;
+    # 0: not measured, the cost model uses the send/recv link fit)
+    pipeline_overhead_s: float = 0.0
+    chains: list[ChainSample] = field(default_factory=list)  # whole-model cuts, see `chain_factor`
     schema_version: int = SCHEMA_VERSION
 
     # ---- queries used by the planner's cost model ----
 
     def layer_time(self, kind: str, b: int, s: int, tp: int) -> tuple[float, float]:
-        """(forward, backward) seconds of one layer for one micro-batch on one TP rank."""
+        """(forward, backward) seconds of one layer for one micro-batch on one TP rank: the fit of the
+        samples, times the measured `chain_factor` (tp = 1: the chain runs without tensor parallelism)."""
+        fwd, bwd = self._fitted_time(kind, b, s, tp)
+        k = self.chain_factor(b) if tp == 1 else 1.0
+        return fwd * k, bwd * k
+
+    def _fitted_time(self, kind: str, b: int, s: int, tp: int) -> tuple[float, float]:
         work = layer_forward_flops(self.model, kind, b, s, tp)
         fwd = self._fit(kind, tp, "forward_s")
         bwd = self._fit(kind, tp, "backward_s")
         return fwd[0] + fwd[1] * work, bwd[0] + bwd[1] * work
+
+    def chain_factor(self, b: int) -> float:
+        """Measured time of the cut model run as one module over the sum of its layers' fitted times,
+        interpolated over log2(micro-batch size) between measured sizes (clamped outside); 1 without
+        chain samples."""
+        if not self.chains:
+            return 1.0
+        points = []
+        for c in sorted(self.chains, key=lambda c: c.micro_batch_size):
+            kinds = ["embedding"] + ["block"] * c.blocks + ["head"]
+            alone = sum(sum(self._fitted_time(k, c.micro_batch_size, c.seq_len, 1)) for k in kinds)
+            if alone > 0 and c.seconds > 0:
+                points.append((math.log2(c.micro_batch_size), c.seconds / alone))
+        if not points:
+            return 1.0
+        x = math.log2(b)
+        if x <= points[0][0]:
+            return points[0][1]
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if x <= x1:
+                return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
+        return points[-1][1]
+
+    def tp_collectives_measured(self, kind: str, tp: int) -> bool:
+        """Whether `layer_time(kind, ·, ·, tp)` already includes the TP collectives (timed across ranks)."""
+        return tp > 1 and any(c.kind == kind and c.tp == tp and c.with_collectives for c in self.compute)
 
     def _fit(self, kind: str, tp: int, attr: str) -> tuple[float, float]:
         """Least-squares (overhead, seconds per FLOP) over the samples of this kind, preferring this tp."""
@@ -204,6 +295,12 @@ class Profile:
         fit = fits.get(op) or fits["all_reduce"]
         return fit.alpha_s * steps + fit.beta_s_per_byte * factor * nbytes
 
+    def wrapper(self, zero: int) -> WrapperSample | None:
+        """The in-situ sample of the engine the executor uses at this ZeRO level (smallest micro-batch)."""
+        engine = engine_for(zero)
+        found = sorted((w for w in self.wrappers if w.engine == engine), key=lambda w: w.micro_batch_size)
+        return found[0] if found else None
+
     def correction(self, term: str) -> float:
         return self.corrections.get(term, 1.0)
 
@@ -253,11 +350,17 @@ class Profile:
             state=[StateSample.from_dict(m, f"{path}.state[{i}]") for i, m in enumerate(f.list("state", default=[]))],
             threads_per_rank=f.int("threads_per_rank", min=0, default=0),
             settings=f.number_map("settings", default={}),
+            wrappers=[WrapperSample.from_dict(w, f"{path}.wrappers[{i}]")
+                      for i, w in enumerate(f.list("wrappers", default=[]))],
+            pipeline_overhead_s=f.float("pipeline_overhead_s", min=0.0, default=0.0),
+            chains=[ChainSample.from_dict(c, f"{path}.chains[{i}]")
+                    for i, c in enumerate(f.list("chains", default=[]))],
         )
 
 
 def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """y = a + c·x with a, c >= 0 (least squares; through the origin when x does not vary)."""
+    """y = a + c·x with a, c >= 0 (least squares; through the origin when x does not vary). A negative
+    slope (time flat in the work, e.g. latency-bound TP collectives, within noise) gives the constant."""
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     var = sum((x - mx) ** 2 for x in xs)
@@ -266,6 +369,8 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
         a = my - c * mx
         if a >= 0 and c >= 0:
             return a, c
+        if c < 0:
+            return my, 0.0
     total = sum(xs)
     return 0.0, (sum(ys) / total if total > 0 else 0.0)
 

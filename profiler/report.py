@@ -67,3 +67,23 @@ def print_profile(profile: Profile, console: Console | None = None) -> None:
     console.print(lt)
     if profile.optimizer_s_per_param:
         console.print(f"optimizer (AdamW, fp32 master): {profile.optimizer_s_per_param * 1e9:.2f} ns/parameter")
+    if profile.wrappers:
+        from planner.cost_model import in_situ_factor
+        from profiler.wrappers import ENGINE_ZERO
+
+        et = Table(title=f"data-parallel engines in situ ({profile.wrappers[0].ranks} ranks)")
+        for col in ("engine", "ZeRO", "hooks ms / unit / micro-batch", "reduction ms", "x link fit", "AdamW x"):
+            et.add_column(col, justify="left" if col == "engine" else "right")
+        for w in profile.wrappers:
+            zero = ENGINE_ZERO[w.engine]
+            k = in_situ_factor(profile, zero)
+            et.add_row(w.engine, {0: "0", 1: "1-2", 3: "3"}[zero], f"{w.hook_s * 1e3:.2f}", f"{w.sync_s * 1e3:.2f}",
+                       f"{k:.1f}" if k is not None else "-", f"{w.optimizer_ratio:.1f}")
+        console.print(et)
+    if profile.pipeline_overhead_s:
+        console.print(f"pipeline schedule in situ: {profile.pipeline_overhead_s * 1e3:.2f} ms per stage and "
+                      f"micro-batch (torch.distributed.pipelining, P2P included)")
+    if profile.chains:
+        factors = ", ".join(f"b={c.micro_batch_size}: x{profile.chain_factor(c.micro_batch_size):.2f}"
+                            for c in sorted(profile.chains, key=lambda c: c.micro_batch_size))
+        console.print(f"layers run as one model vs alone (applied to the t=1 fit): {factors}")

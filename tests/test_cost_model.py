@@ -11,9 +11,18 @@ from planner.cost_model import (
     StageProblem,
     bubble_micro_batches,
     build_problem,
+    crossings,
+    dp_ops,
+    dp_sync_time,
     evaluate,
     in_flight,
+    optimizer_time,
+    pipeline_stage_time,
+    root_hook_time,
+    sharded_dp_time,
     state_bytes_per_param,
+    tp_comm_time,
+    unhidden_share,
     zb_ratio,
 )
 from planner.model_sources import builtin_model
@@ -109,3 +118,93 @@ def test_iteration_time_formula():
     # 1F1B: (m + p - 1) x the slowest rank's time per micro-batch, plus the optimizer tail
     assert ev.iteration_time == pytest.approx((8 + 3) * ev.stage_time_max + ev.tail)
     assert ev.stage_time_max == pytest.approx(max(s.total for s in ev.stages))
+
+
+def test_data_parallel_collectives_follow_the_executor_engines():
+    """With gradient accumulation the executor reduces once per iteration (ZeRO-0 all-reduce; ZeRO-1/2
+    reduce-scatter, then the next forward gathers) and only ZeRO-3 gathers every micro-batch."""
+    assert dp_ops(0) == (("all_reduce",), ())
+    assert dp_ops(1) == dp_ops(2) == (("reduce_scatter", "all_gather"), ())
+    assert dp_ops(3) == (("reduce_scatter",), ("all_gather", "all_gather"))
+    model = builtin_model("tiny")
+    profile = preset_profile(model, parse_cluster("8xa100-80gb"))
+    ar = profile.collective_time("all_reduce", 1000 * 2, 8, "intra_node")
+    assert dp_sync_time(profile, 1000, "bf16", 8, 0, "intra_node") == pytest.approx(ar)
+    assert sharded_dp_time(profile, 1000, "bf16", 8, 2, "intra_node") == 0.0
+    assert sharded_dp_time(profile, 1000, "bf16", 8, 3, "intra_node") == pytest.approx(
+        2 * profile.collective_time("all_gather", 2000, 8, "intra_node"))
+
+
+def _with_engines(profile, hook_s: float, sync_s: float, ratio: float):
+    from profiler.profile import ENGINES, WrapperSample
+
+    block = next(layer.params for layer in profile.model.layers if layer.kind == "block")
+    profile.wrappers = [WrapperSample(e, 2, 1, 64, [block, block, 3 * block], hook_s, sync_s, ratio) for e in ENGINES]
+    return profile, block
+
+
+def test_in_situ_engine_costs_replace_the_link_fit():
+    """A measured engine sample: its hooks are charged per unit and micro-batch (and once per stage for
+    the root), its reduction reproduces the measured time on the measured units and is fully exposed,
+    and its optimizer ratio multiplies the step."""
+    model = builtin_model("tiny")
+    profile = preset_profile(model, parse_cluster("2xcpu"))
+    base_opt = optimizer_time(profile, 1000, 2, 1)
+    profile, block = _with_engines(profile, hook_s=0.002, sync_s=0.03, ratio=2.5)
+    for zero in (0, 1, 3):
+        total = sum(dp_sync_time(profile, n, profile.dtype, 2, zero, "intra_node") for n in (block, block, 3 * block))
+        assert total == pytest.approx(0.03)
+        assert sharded_dp_time(profile, block, profile.dtype, 2, zero, "intra_node") == 0.002
+        assert root_hook_time(profile, 2, zero) == 0.002 and unhidden_share(profile, 2, zero, 6, 1) == 1.0
+    assert optimizer_time(profile, 1000, 2, 1) == pytest.approx(2.5 * base_opt)
+    assert root_hook_time(profile, 1, 0) == 0.0 and dp_sync_time(profile, block, "fp32", 1, 0, "intra_node") == 0.0
+    cand = Candidate(dp=2, tp=1, pp=1, v=1, schedule="1f1b", b=1, m=4, zero=1, recompute="none")
+    links = Links("intra_node", "intra_node", "intra_node")
+    P = build_problem(model, profile, cand, 64, profile.dtype, links, math.inf, [True] * len(model.layers))
+    blocks = [i for i, k in enumerate(P.kinds) if k == "block"]
+    assert [P.gather[i] for i in blocks] == [0.002] * len(blocks)
+    assert P.gather[0] == P.gather[-1] == 0.0 and P.boundary == [0.002]  # embedding, head: the root unit
+    ev = evaluate(P, [0, len(P.kinds)], [0])
+    assert ev.tail == pytest.approx(sum(P.opt) + sum(P.dp))  # measured in situ: nothing hidden
+
+
+def test_tp_collectives_not_added_twice_when_measured_across_ranks():
+    from profiler.profile import ComputeSample
+
+    model = builtin_model("tiny")
+    profile = preset_profile(model, parse_cluster("2xcpu"))
+    assert tp_comm_time(profile, "block", 1, 64, model.hidden_size, 2, "fp32", "none") > 0
+    profile.compute = [ComputeSample("block", b, 64, 2, 0.02, 0.03, with_collectives=True) for b in (1, 2)]
+    assert tp_comm_time(profile, "block", 1, 64, model.hidden_size, 2, "fp32", "none") == 0.0
+
+
+def test_pipeline_overhead_measured_in_situ_replaces_the_hop():
+    model = builtin_model("tiny")
+    profile = preset_profile(model, parse_cluster("2xcpu"))
+    assert pipeline_stage_time(profile, 0.001, 2) == pytest.approx(0.002)  # link fit: a hop per neighbour
+    assert pipeline_stage_time(profile, 0.001, 0) == 0.0
+    profile.pipeline_overhead_s = 0.004
+    assert pipeline_stage_time(profile, 0.001, 1) == pytest.approx(0.004)
+    assert pipeline_stage_time(profile, 0.001, 2) == pytest.approx(0.005)
+    cand = Candidate(dp=1, tp=1, pp=2, v=1, schedule="1f1b", b=1, m=4, zero=0, recompute="none")
+    links = Links("intra_node", "intra_node", "intra_node")
+    P = build_problem(model, profile, cand, 64, profile.dtype, links, math.inf, [True] * len(model.layers))
+    assert P.boundary == [pytest.approx(0.004)] * 2
+    assert crossings([0, 1, 0, 1], 1) == 2 and crossings([0, 1, 1, 0], 1) == 1
+
+
+def test_chain_factor_scales_tp1_layer_times_between_measured_sizes():
+    from profiler.profile import ChainSample, ComputeSample
+
+    model = builtin_model("tiny")
+    profile = preset_profile(model, parse_cluster("2xcpu"))
+    profile.compute = [ComputeSample(k, b, 64, t, 0.001 * b, 0.002 * b) for k in ("embedding", "block", "head")
+                       for b in (1, 2, 4) for t in (1, 2)]
+    alone = {b: 4 * 0.003 * b for b in (1, 4)}  # embedding + 2 blocks + head, each 3 ms x b
+    assert profile.chain_factor(2) == 1.0  # no chain measured
+    profile.chains = [ChainSample(1, 64, 2, 1.2 * alone[1]), ChainSample(4, 64, 2, 1.6 * alone[4])]
+    assert profile.chain_factor(1) == pytest.approx(1.2) and profile.chain_factor(4) == pytest.approx(1.6)
+    assert profile.chain_factor(2) == pytest.approx(1.4)  # halfway in log2(b)
+    assert profile.chain_factor(16) == pytest.approx(1.6)  # clamped
+    assert profile.layer_time("block", 2, 64, 1) == pytest.approx((1.4 * 0.002, 1.4 * 0.004))
+    assert profile.layer_time("block", 2, 64, 2) == pytest.approx((0.002, 0.004))  # TP: timed as is

@@ -52,8 +52,16 @@ def test_profile_two_cpu_ranks_then_cached(tmp_path, capsys):
     p = load_profile(str(out), model=builtin_model("tiny"))
     assert p.source == "measured" and p.device_kind == "cpu" and p.concurrent_ranks == 2
     assert p.schema_version == SCHEMA_VERSION and p.torch_version and p.device_name
-    assert {(c.kind, c.tp) for c in p.compute} == {("embedding", 1), ("block", 1), ("block", 2), ("head", 1),
-                                                   ("head", 2)}
+    assert {(c.kind, c.tp) for c in p.compute} == {("embedding", 1), ("embedding", 2), ("block", 1), ("block", 2),
+                                                   ("head", 1), ("head", 2)}
+    # t=2 ran tensor-parallel across the two ranks: the collectives are in the times, not added again
+    assert all(c.with_collectives == (c.tp == 2) for c in p.compute)
+    assert p.tp_collectives_measured("block", 2) and not p.tp_collectives_measured("block", 1)
+    # the executor's data-parallel engines, measured in situ on both ranks
+    assert {w.engine for w in p.wrappers} == {"replicate", "fully_shard", "fully_shard_reshard"}
+    assert all(w.ranks == 2 and w.unit_params and w.optimizer_ratio > 0 for w in p.wrappers)
+    assert p.pipeline_overhead_s >= 0 and "pipeline schedule in situ" in r.stderr
+    assert sorted(c.micro_batch_size for c in p.chains) == [1, 2] and p.chain_factor(1) > 0
     assert all(c.forward_s > 0 and c.backward_s > 0 and c.spread >= 0 for c in p.compute)
     assert {f.measured_group_size for f in p.links["intra_node"].values()} == {2}
     assert {f.measured_group_size for f in p.links["inter_node"].values()} == {0}  # one host: presets
@@ -167,3 +175,20 @@ def test_preset_efficiency_is_user_overridable(tmp_path):
     fwd_base, _ = base.layer_time("block", 1, 4096, 8)
     fwd_slow, _ = slow.layer_time("block", 1, 4096, 8)
     assert fwd_slow == pytest.approx(2 * fwd_base, rel=1e-6)  # default efficiency 0.5
+
+
+def test_cached_profile_used_only_when_it_covers_the_request():
+    from types import SimpleNamespace
+
+    from profiler.cli import covers
+    from profiler.profile import ComputeSample
+
+    sample = [ComputeSample("block", b, 64, t, 1.0, 2.0) for b in (1, 2) for t in (1, 2)]
+    profile = SimpleNamespace(compute=sample, wrappers=["engine sample"], chains=["chain sample"])
+    cfg = SimpleNamespace(micro_batch_sizes=[1, 2], seq_lens=[64], tps=[1, 2], nprocs=2)
+    assert covers(profile, cfg)
+    assert not covers(profile, SimpleNamespace(**{**vars(cfg), "micro_batch_sizes": [1, 2, 4]}))
+    assert not covers(SimpleNamespace(compute=sample, wrappers=[], chains=["c"]), cfg)  # before the in-situ phases
+    one = SimpleNamespace(**{**vars(cfg), "nprocs": 1})
+    assert covers(SimpleNamespace(compute=sample, wrappers=[], chains=["c"]), one)
+    assert not covers(SimpleNamespace(compute=sample, wrappers=[], chains=[]), one)

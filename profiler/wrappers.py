@@ -1,0 +1,125 @@
+"""What the executor's data-parallel engines add to every micro-batch and to every optimizer step.
+
+FSDP2 (`fully_shard`, ZeRO ≥ 1) and `replicate` (ZeRO-0) run Python hooks around each wrapped unit's
+forward and backward, and keep parameters as DTensors, so AdamW dispatches through DTensor. On small
+layers or on CPU these costs are of the order of the layer's own compute (tiny on 2 CPU ranks: 1-4 ms
+per unit and micro-batch, against ~2 ms for a block's forward + backward), and no layer
+micro-benchmark sees them.
+This phase times the model cut to `blocks` blocks (embedding and head kept: the root unit) bare and
+wrapped exactly as `executor.parallelize.apply_dp` wraps it, over a data-parallel mesh of all the ranks:
+on gradient-accumulation micro-batches (hooks, and ZeRO-3's parameter gathers), on synchronising ones
+(plus the gradient reduction, exposed as it is on this device), and AdamW over the wrapped parameters.
+Collectives inside the engines cost far more than the bare link fit on CPU (copy-in/out, waiting for
+the slower rank): the profile keeps their in-situ cost relative to the link fit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from executor.model import loss_fn
+from planner.model_spec import ModelSpec
+from profiler.compute import Stopwatch, TimingConfig, median
+from profiler.layers import TORCH_DTYPES
+from profiler.profile import ENGINES, ChainSample, WrapperSample
+
+ENGINE_ZERO = dict(zip(ENGINES, (0, 1, 3)))  # the ZeRO level each engine is measured at
+
+
+def _model(spec: ModelSpec, blocks: int, device: torch.device, dtype: str, mesh=None, zero: int = 0):
+    """The model cut to its embedding, first `blocks` blocks and head; wrapped as the executor wraps a
+    stage when `mesh` is given."""
+    from executor.model import Transformer
+    from executor.parallelize import apply_dp, materialise
+    from planner.plan import ParallelConfig
+
+    with torch.device("meta"):
+        model = Transformer(spec)
+    for name in list(model.blocks.keys())[blocks:]:  # embedding, the first `blocks` blocks, head
+        del model.blocks[name]
+    if mesh is not None:
+        cfg = ParallelConfig(dp=mesh.size(), tp=1, pp=1, virtual_stages=1, zero=zero, schedule="1f1b",
+                             micro_batch_size=1, num_micro_batches=1, global_batch_size=mesh.size(), seq_len=1,
+                             recompute="none", dtype=dtype)
+        apply_dp(model, mesh, cfg)
+    materialise(model, device, seed=0)
+    if mesh is None:
+        model = model.to(TORCH_DTYPES[dtype])
+    return model
+
+
+def _pass_times(model, b: int, s: int, spec: ModelSpec, device: torch.device, cfg: TimingConfig,
+                sync: bool | None = None, zero: int = 0) -> list[float]:
+    """Forward + backward seconds of each timed pass (a fixed count: wrapped ranks run them in lockstep).
+    sync=False: gradient-accumulation micro-batches as the executor runs them (nothing reduced; below
+    ZeRO-3 parameters stay gathered); sync=True: every pass reduces its gradients (the last micro-batch)."""
+    if sync is not None:
+        model.set_requires_gradient_sync(sync)
+        if zero <= 2:
+            model.set_reshard_after_backward(sync)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, spec.vocab_size, (b, s), generator=gen).to(device)
+    targets = torch.randint(0, spec.vocab_size, (b, s), generator=gen).to(device)
+    watch = Stopwatch(device)
+    out = []
+    for i in range(cfg.warmup + cfg.repeats):
+        _, t = watch.time(lambda: loss_fn(model(tokens), targets).backward())
+        if i >= cfg.warmup:
+            out.append(t)
+    return out
+
+
+def _optimizer_time(model, device: torch.device, cfg: TimingConfig, foreach: bool | None = None) -> float:
+    """AdamW step seconds: the bare reference as profiler.measure times optimizer_s_per_param (foreach),
+    the wrapped model as the executor steps it (torch's default implementation for its parameters)."""
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
+    watch = Stopwatch(device)
+    return median([watch.time(opt.step)[1] for _ in range(cfg.warmup + cfg.repeats)][cfg.warmup:])
+
+
+def unit_params(spec: ModelSpec, blocks: int) -> list[int]:
+    """Parameters of each unit the executor wraps in the cut model: every block, then the root
+    (embedding and head; a tied head shares the embedding's)."""
+    by_kind = {layer.kind: layer.params for layer in spec.layers}
+    tied = sum(layer.tied_params for layer in spec.layers if layer.kind == "head")
+    return [by_kind["block"]] * blocks + [by_kind["embedding"] + by_kind["head"] - tied]
+
+
+def measure_wrappers(spec: ModelSpec, b: int, s: int, dtype: str, device: torch.device, cfg: TimingConfig,
+                     blocks: int = 2) -> list[WrapperSample]:
+    """Every rank of the default group calls this together; the samples are the same on all."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    blocks = max(1, min(blocks, spec.num_layers))
+    units = blocks + 1
+    bare = _model(spec, blocks, device, dtype)
+    bare_s = median(_pass_times(bare, b, s, spec, device, cfg))
+    bare_opt = _optimizer_time(bare, device, cfg, foreach=True)
+    samples = []
+    for engine in ENGINES:
+        zero = ENGINE_ZERO[engine]
+        dist.barrier()
+        model = _model(spec, blocks, device, dtype, mesh, zero=zero)
+        accumulate = median(_pass_times(model, b, s, spec, device, cfg, sync=False, zero=zero))
+        synced = median(_pass_times(model, b, s, spec, device, cfg, sync=True, zero=zero))
+        opt = _optimizer_time(model, device, cfg)
+        share = 1.0 / world if zero >= 1 else 1.0  # sharded: each rank steps 1/world of the parameters
+        samples.append(WrapperSample(engine, world, b, s, unit_params(spec, blocks),
+                                     hook_s=max(0.0, accumulate - bare_s) / units,
+                                     sync_s=max(0.0, synced - accumulate),
+                                     optimizer_ratio=opt / max(bare_opt * share, 1e-12)))
+    return samples
+
+
+def measure_chains(spec: ModelSpec, sizes: list[int], s: int, dtype: str, device: torch.device, cfg: TimingConfig,
+                   blocks: int = 2) -> list[ChainSample]:
+    """The cut model (embedding, `blocks` blocks, head + loss) run bare as one module, per micro-batch size."""
+    blocks = max(1, min(blocks, spec.num_layers))
+    model = _model(spec, blocks, device, dtype)
+    return [ChainSample(b, s, blocks, median(_pass_times(model, b, s, spec, device, cfg))) for b in sizes]
