@@ -50,6 +50,21 @@ class Stopwatch:
         return out, time.perf_counter() - t0
 
 
+def median_time(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int,
+                between: Callable[[], object] | None = None) -> float:
+    """Median seconds of `repeats` calls of `fn` after `warmup` untimed ones: a fixed count, so ranks that
+    run collectives together stay in lockstep. `between` runs after each call, outside the timing."""
+    watch = Stopwatch(device)
+    times = []
+    for i in range(warmup + repeats):
+        _, t = watch.time(fn)
+        if between is not None:
+            between()
+        if i >= warmup:
+            times.append(t)
+    return median(times)
+
+
 def median(xs: list[float]) -> float:
     ys = sorted(xs)
     n = len(ys)

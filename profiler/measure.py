@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from planner.cluster_spec import ClusterSpec
 from planner.model_spec import ModelSpec
-from profiler.compute import Stopwatch, TimingConfig, grid, measure_sample, median
+from profiler.compute import TimingConfig, grid, measure_sample, median_time
 from profiler.layers import build_case
 from profiler.links import LinkTiming, fit_timings, message_sizes, time_ops
 from profiler.memory import measure_activations, measure_state
@@ -104,9 +104,7 @@ def measure_optimizer(spec: ModelSpec, dtype: str, device: torch.device, timing:
     for p in params:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-    watch = Stopwatch(device)
-    times = [watch.time(opt.step)[1] for _ in range(timing.warmup + timing.repeats)][timing.warmup:]
-    return median(times) / sum(p.numel() for p in params)
+    return median_time(opt.step, device, timing.warmup, timing.repeats) / sum(p.numel() for p in params)
 
 
 def tp_meshes(cfg: MeasureConfig, world: int, local_world: int) -> dict:
@@ -177,10 +175,16 @@ def _link_phase(cfg: MeasureConfig, world: int, local_world: int, device: torch.
             for name, (group, ranks) in groups.items()}
 
 
+def in_situ_phases(world: int) -> tuple[bool, bool]:
+    """(data-parallel engines, pipeline schedule): whether these ranks can measure them in situ
+    (the pipeline runs on pairs of ranks)."""
+    return world > 1, world > 1 and world % 2 == 0
+
+
 def _steps(cfg: MeasureConfig, world: int, local_world: int) -> int:
     links = (local_world >= 2) + (world // local_world >= 2)
     embedding_tps = bool(joint_tps(cfg, world, local_world))
-    in_situ = (world > 1) + (world > 1 and world % 2 == 0)  # data-parallel engines, pipeline schedule
+    in_situ = sum(in_situ_phases(world))
     return len(grid(cfg.micro_batch_sizes, cfg.seq_lens, cfg.tps, embedding_tps)) + 3 + in_situ + \
         links * len(LINK_OPS) * len(message_sizes(cfg.min_message_bytes, cfg.max_message_bytes))
 
@@ -203,15 +207,16 @@ def _run_rank(cfg: MeasureConfig, rank: int, world: int, local_rank: int, local_
     reporter = Reporter(_steps(cfg, world, local_world), enabled=cfg.show_progress) if rank == 0 else None
     try:
         compute, chains, opt = _compute_phase(cfg, rank, world, local_world, device, reporter, world > 1)
+        engines, pipelines = in_situ_phases(world)
         wrappers = []
-        if world > 1:
+        if engines:
             if reporter is not None:
                 reporter.step("data-parallel engines in situ")
             dist.barrier()
             wrappers = measure_wrappers(cfg.model, min(cfg.micro_batch_sizes), max(cfg.seq_lens), cfg.dtype,
                                         device, cfg.timing)
         pipeline = 0.0
-        if world > 1 and world % 2 == 0:
+        if pipelines:
             if reporter is not None:
                 reporter.step("pipeline schedule in situ")
             dist.barrier()

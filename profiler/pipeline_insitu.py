@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from planner.model_spec import ModelSpec
-from profiler.compute import Stopwatch, TimingConfig, median
+from profiler.compute import TimingConfig, median_time
 from profiler.layers import TORCH_DTYPES
 
 
@@ -46,22 +46,15 @@ def measure_pipeline_overhead(spec: ModelSpec, b: int, s: int, dtype: str, devic
     stage = rank % 2
     module = _Scale().to(device)
     tdtype = TORCH_DTYPES[dtype]
-    watch = Stopwatch(device)
     steps: dict[int, float] = {}
     for m in (m1, m2):
         pipe = PipelineStage(module, stage, 2, device, group=group)
         schedule = Schedule1F1B(pipe, n_microbatches=m, loss_fn=_loss, scale_grads=True)
         x = torch.randn(b * m, s, spec.hidden_size, device=device, dtype=tdtype)
         dist.barrier()
-        times = []
-        for _ in range(max(2, cfg.warmup // 2) + cfg.repeats):
-            if stage == 0:
-                _, t = watch.time(lambda: schedule.step(x))
-            else:
-                _, t = watch.time(lambda: schedule.step(target=x, losses=[]))
-            times.append(t)
-            module.zero_grad(set_to_none=True)
-        steps[m] = median(times[max(2, cfg.warmup // 2):])
+        step = (lambda: schedule.step(x)) if stage == 0 else (lambda: schedule.step(target=x, losses=[]))
+        steps[m] = median_time(step, device, max(2, cfg.warmup // 2), cfg.repeats,
+                               between=lambda: module.zero_grad(set_to_none=True))
     slope = torch.tensor([(steps[m2] - steps[m1]) / (m2 - m1)], dtype=torch.float64, device=device)
     gathered = [torch.zeros_like(slope) for _ in range(world)]
     dist.all_gather(gathered, slope)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from executor.model import loss_fn
 from planner.model_spec import ModelSpec
-from profiler.compute import Stopwatch, TimingConfig, median
+from profiler.compute import TimingConfig, median_time
 from profiler.layers import TORCH_DTYPES
 from profiler.profile import ENGINES, ChainSample, WrapperSample
 
@@ -49,9 +49,9 @@ def _model(spec: ModelSpec, blocks: int, device: torch.device, dtype: str, mesh=
     return model
 
 
-def _pass_times(model, b: int, s: int, spec: ModelSpec, device: torch.device, cfg: TimingConfig,
-                sync: bool | None = None, zero: int = 0) -> list[float]:
-    """Forward + backward seconds of each timed pass (a fixed count: wrapped ranks run them in lockstep).
+def _pass_time(model, b: int, s: int, spec: ModelSpec, device: torch.device, cfg: TimingConfig,
+               sync: bool | None = None, zero: int = 0) -> float:
+    """Median forward + backward seconds of a pass (a fixed count: wrapped ranks run them in lockstep).
     sync=False: gradient-accumulation micro-batches as the executor runs them (nothing reduced; below
     ZeRO-3 parameters stay gathered); sync=True: every pass reduces its gradients (the last micro-batch)."""
     if sync is not None:
@@ -61,13 +61,7 @@ def _pass_times(model, b: int, s: int, spec: ModelSpec, device: torch.device, cf
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, spec.vocab_size, (b, s), generator=gen).to(device)
     targets = torch.randint(0, spec.vocab_size, (b, s), generator=gen).to(device)
-    watch = Stopwatch(device)
-    out = []
-    for i in range(cfg.warmup + cfg.repeats):
-        _, t = watch.time(lambda: loss_fn(model(tokens), targets).backward())
-        if i >= cfg.warmup:
-            out.append(t)
-    return out
+    return median_time(lambda: loss_fn(model(tokens), targets).backward(), device, cfg.warmup, cfg.repeats)
 
 
 def _optimizer_time(model, device: torch.device, cfg: TimingConfig, foreach: bool | None = None) -> float:
@@ -77,8 +71,7 @@ def _optimizer_time(model, device: torch.device, cfg: TimingConfig, foreach: boo
     for p in params:
         p.grad = torch.zeros_like(p)
     opt = torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
-    watch = Stopwatch(device)
-    return median([watch.time(opt.step)[1] for _ in range(cfg.warmup + cfg.repeats)][cfg.warmup:])
+    return median_time(opt.step, device, cfg.warmup, cfg.repeats)
 
 
 def unit_params(spec: ModelSpec, blocks: int) -> list[int]:
@@ -99,15 +92,15 @@ def measure_wrappers(spec: ModelSpec, b: int, s: int, dtype: str, device: torch.
     blocks = max(1, min(blocks, spec.num_layers))
     units = blocks + 1
     bare = _model(spec, blocks, device, dtype)
-    bare_s = median(_pass_times(bare, b, s, spec, device, cfg))
+    bare_s = _pass_time(bare, b, s, spec, device, cfg)
     bare_opt = _optimizer_time(bare, device, cfg, foreach=True)
     samples = []
     for engine in ENGINES:
         zero = ENGINE_ZERO[engine]
         dist.barrier()
         model = _model(spec, blocks, device, dtype, mesh, zero=zero)
-        accumulate = median(_pass_times(model, b, s, spec, device, cfg, sync=False, zero=zero))
-        synced = median(_pass_times(model, b, s, spec, device, cfg, sync=True, zero=zero))
+        accumulate = _pass_time(model, b, s, spec, device, cfg, sync=False, zero=zero)
+        synced = _pass_time(model, b, s, spec, device, cfg, sync=True, zero=zero)
         opt = _optimizer_time(model, device, cfg)
         share = 1.0 / world if zero >= 1 else 1.0  # sharded: each rank steps 1/world of the parameters
         samples.append(WrapperSample(engine, world, b, s, unit_params(spec, blocks),
@@ -122,4 +115,4 @@ def measure_chains(spec: ModelSpec, sizes: list[int], s: int, dtype: str, device
     """The cut model (embedding, `blocks` blocks, head + loss) run bare as one module, per micro-batch size."""
     blocks = max(1, min(blocks, spec.num_layers))
     model = _model(spec, blocks, device, dtype)
-    return [ChainSample(b, s, blocks, median(_pass_times(model, b, s, spec, device, cfg))) for b in sizes]
+    return [ChainSample(b, s, blocks, _pass_time(model, b, s, spec, device, cfg)) for b in sizes]

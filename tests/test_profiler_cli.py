@@ -192,3 +192,23 @@ def test_cached_profile_used_only_when_it_covers_the_request():
     one = SimpleNamespace(**{**vars(cfg), "nprocs": 1})
     assert covers(SimpleNamespace(compute=sample, wrappers=[], chains=["c"]), one)
     assert not covers(SimpleNamespace(compute=sample, wrappers=[], chains=[]), one)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("wrappers", [{"engine": "ddp", "ranks": 2, "micro_batch_size": 1, "seq_len": 8, "unit_params": [1],
+                   "hook_s": 0.0, "sync_s": 0.0, "optimizer_ratio": 1.0}], "profile.wrappers[0].engine"),
+    ("wrappers", [{"engine": "replicate", "ranks": 2, "micro_batch_size": 1, "seq_len": 8, "unit_params": [],
+                   "hook_s": 0.0, "sync_s": 0.0, "optimizer_ratio": 1.0}], "profile.wrappers[0].unit_params"),
+    ("chains", [{"micro_batch_size": 0, "seq_len": 8, "blocks": 2, "seconds": 0.1}],
+     "profile.chains[0].micro_batch_size"),
+    ("pipeline_overhead_s", -1.0, "profile.pipeline_overhead_s"),
+])
+def test_bad_in_situ_fields_are_one_line_errors(tmp_path, capsys, measured_1cpu, field, value, message):
+    path = tmp_path / "p.json"
+    save_profile(measured_1cpu, str(path))
+    data = json.loads(path.read_text())
+    data[field] = value
+    path.write_text(json.dumps(data))
+    assert plan_main(["tiny", "--cluster", "2xcpu", "--profile", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
