@@ -93,15 +93,20 @@ def pp_comm_time(profile, b: int, s: int, h: int, tp: int, dtype: str, sequence_
     return profile.collective_time("send_recv", nbytes, 2, link_class) * profile.correction("pp_comm")
 
 
-def pipeline_stage_time(profile, hop: float, crossings: int) -> float:
+def pipeline_stage_time(profile, hop: float, crossings: int, schedule: str) -> float:
     """Per stage and micro-batch: the pipeline's cost for a stage with `crossings` neighbours on other
-    ranks. Measured in situ (torch.distributed.pipelining's bookkeeping, P2P and waits of a stage with
-    one neighbour; a second neighbour adds a hop), else the link fit's `hop` per neighbour."""
-    if crossings == 0:
-        return 0.0
-    if profile.pipeline_overhead_s > 0:
-        return profile.pipeline_overhead_s * profile.correction("pp_comm") + hop * (crossings - 1)
+    ranks. Measured in situ per schedule and crossing (torch.distributed.pipelining's bookkeeping, P2P
+    and waits; zero-bubble's extra actions), else the link fit's `hop` per neighbour."""
+    overhead = profile.pipeline_overhead(schedule)
+    if overhead > 0:
+        return overhead * profile.correction("pp_comm") * crossings
     return hop * crossings
+
+
+def split_backward_factor(profile, schedule: str, b: int) -> float:
+    """Zero-bubble schedules split every backward into input- and weight-grad passes; what that costs
+    over the whole backward, measured on the cut model (1 for other schedules or when not measured)."""
+    return profile.split_backward_factor(b) if schedule == "zero-bubble" else 1.0
 
 
 def dp_ops(zero: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -422,13 +427,15 @@ class Terms:
             self.memo[key] = fn()
         return self.memo[key]
 
-    def kind(self, kind: str, b: int, tp: int) -> tuple[float, float, float, float]:
-        """(forward, backward, TP comm, activation bytes) of one layer of `kind` per micro-batch."""
+    def kind(self, kind: str, b: int, tp: int, schedule: str = "1f1b") -> tuple[float, float, float, float]:
+        """(forward, backward, TP comm, activation bytes) of one layer of `kind` per micro-batch, the
+        backward as `schedule` runs it (split for zero-bubble)."""
         def make():
             f, g = compute_time(self.profile, kind, b, self.s, tp)
+            g *= split_backward_factor(self.profile, schedule, b)
             c = tp_comm_time(self.profile, kind, b, self.s, self.model.hidden_size, tp, self.dtype, "none")
             return f, g, c, activation_bytes(self.profile, kind, b, self.s, tp, "none", tp > 1)
-        return self._get(("kind", kind, b, tp), make)
+        return self._get(("kind", kind, b, tp, schedule == "zero-bubble"), make)
 
     def recompute(self, b: int, tp: int, mode: str) -> tuple[float, float, float]:
         """(extra time, activation bytes saved, extra TP comm) per recomputed block per micro-batch."""
@@ -483,7 +490,7 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
     terms = terms or Terms(model, profile, seq_len, dtype)
     b, tp, dp, pp, v, zero = cand.b, cand.tp, cand.dp, cand.pp, cand.v, cand.zero
     kinds = [layer.kind for layer in model.layers]
-    rows = {k: terms.kind(k, b, tp) for k in set(kinds)}
+    rows = {k: terms.kind(k, b, tp, cand.schedule) for k in set(kinds)}
     fwd = [rows[k][0] for k in kinds]
     bwd = [rows[k][1] for k in kinds]
     time = [rows[k][0] + rows[k][1] + rows[k][2] for k in kinds]
@@ -494,7 +501,7 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
     rank = [stage_rank(k, pp, cand.schedule, v) for k in range(S)]
     hop = terms.hop(b, tp, links.pp) if pp > 1 else 0.0
     root = root_hook_time(profile, dp, zero)
-    boundary = [root + pipeline_stage_time(profile, hop, crossings(rank, k)) for k in range(S)]
+    boundary = [root + pipeline_stage_time(profile, hop, crossings(rank, k), cand.schedule) for k in range(S)]
     inflight = [in_flight(cand.schedule, pp, v, cand.m, r) for r in range(pp)]
     fixed = [0.0] * pp
     pb, gb, ob = state_bytes_per_param(dtype, zero, dp)

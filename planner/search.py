@@ -160,7 +160,7 @@ class Search:
         q = self.quick
         links = self.placer.links(cand.pp, cand.dp, cand.tp, cand.order)
         b, tp, S, pp = cand.b, cand.tp, cand.num_stages, cand.pp
-        rows = {k: self.terms.kind(k, b, tp) for k in q.counts}
+        rows = {k: self.terms.kind(k, b, tp, cand.schedule) for k in q.counts}
         fsum = sum(n * rows[k][0] for k, n in q.counts.items())
         gsum = sum(n * rows[k][1] for k, n in q.counts.items())
         tsum = sum(n * (rows[k][0] + rows[k][1] + rows[k][2]) for k, n in q.counts.items())
@@ -168,7 +168,7 @@ class Search:
         agg = self._layer_sums(tp, cand.dp, cand.zero, links.dp)
         rank = self._ranks(pp, cand.schedule, cand.v)
         hop = self.terms.hop(b, tp, links.pp) if pp > 1 else 0.0
-        pipe = sum(pipeline_stage_time(self.profile, hop, crossings(rank, k)) for k in range(S))
+        pipe = sum(pipeline_stage_time(self.profile, hop, crossings(rank, k), cand.schedule) for k in range(S))
         unhidden = unhidden_share(self.profile, cand.dp, cand.zero, q.num_layers, S)
         z3 = max(agg["gather"] - fsum - gsum, unhidden * agg["gather"]) if agg["gather"] > 0 else 0.0
         work = tsum + pipe + z3 + S * root_hook_time(self.profile, cand.dp, cand.zero)

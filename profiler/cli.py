@@ -105,12 +105,18 @@ def main(argv: Sequence[str]) -> int:
 
 def covers(profile, cfg) -> bool:
     """Whether a cached profile holds every point this request would measure: each (micro-batch, sequence)
-    size and TP degree, the whole-model chain, and the in-situ engine and pipeline measurements when
-    several ranks run."""
+    size and TP degree, the whole-model chain (whole and split backward), and the in-situ engine and
+    per-schedule pipeline measurements when several ranks run."""
+    from planner.plan import SCHEDULES
+    from profiler.measure import in_situ_phases
+
     have = {(c.micro_batch_size, c.seq_len, c.tp) for c in profile.compute if c.kind == "block"}
     want = {(b, s, t) for b in cfg.micro_batch_sizes for s in cfg.seq_lens for t in cfg.tps}
-    in_situ = cfg.nprocs < 2 or bool(profile.wrappers)
-    return want <= have and in_situ and bool(profile.chains)
+    engines, pipelines = in_situ_phases(cfg.nprocs)
+    in_situ = not engines or bool(profile.wrappers)
+    pipelines = not pipelines or set(SCHEDULES) <= set(profile.pipeline_overheads)
+    split = bool(profile.chains) and all(c.split_extra_s > 0 for c in profile.chains)
+    return want <= have and in_situ and pipelines and split
 
 
 def _measure_or_cached(args: argparse.Namespace, model, cluster):

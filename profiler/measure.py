@@ -25,7 +25,7 @@ from profiler.compute import TimingConfig, grid, measure_sample, median_time
 from profiler.layers import build_case
 from profiler.links import LinkTiming, fit_timings, message_sizes, time_ops
 from profiler.memory import measure_activations, measure_state
-from profiler.pipeline_insitu import measure_pipeline_overhead
+from profiler.pipeline_insitu import measure_pipeline_overheads
 from profiler.profile import (
     LINK_OPS,
     RECOMPUTE_MODES,
@@ -90,11 +90,16 @@ def device_name(kind: str) -> str:
     return f"{model} ({os.cpu_count()} cores)"
 
 
+def cpu_cores() -> int:
+    """Cores this process may run on (the affinity mask: containers often show the host's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def default_threads(nprocs: int) -> int:
     env = os.environ.get("OMP_NUM_THREADS", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
-    return max(1, (os.cpu_count() or 1) // nprocs)
+    return max(1, cpu_cores() // nprocs)
 
 
 def measure_optimizer(spec: ModelSpec, dtype: str, device: torch.device, timing: TimingConfig) -> float:
@@ -215,12 +220,12 @@ def _run_rank(cfg: MeasureConfig, rank: int, world: int, local_rank: int, local_
             dist.barrier()
             wrappers = measure_wrappers(cfg.model, min(cfg.micro_batch_sizes), max(cfg.seq_lens), cfg.dtype,
                                         device, cfg.timing)
-        pipeline = 0.0
+        pipeline: dict[str, float] = {}
         if pipelines:
             if reporter is not None:
-                reporter.step("pipeline schedule in situ")
+                reporter.step("pipeline schedules in situ")
             dist.barrier()
-            pipeline = measure_pipeline_overhead(cfg.model, min(cfg.micro_batch_sizes), max(cfg.seq_lens),
+            pipeline = measure_pipeline_overheads(cfg.model, min(cfg.micro_batch_sizes), max(cfg.seq_lens),
                                                  cfg.dtype, device, cfg.timing)
         timings = _link_phase(cfg, world, local_world, device, reporter) if world > 1 else {}
     finally:
@@ -235,8 +240,9 @@ def _run_rank(cfg: MeasureConfig, rank: int, world: int, local_rank: int, local_
             "optimizer_s_per_param": opt,
             "memory": [asdict(m) for m in memory], "state": [asdict(x) for x in state],
             "threads_per_rank": torch.get_num_threads() if cfg.device_kind == "cpu" else 0,
+            "cpu_cores": cpu_cores() if cfg.device_kind == "cpu" else 0,
             "links": {k: [asdict(t) for t in v] for k, v in timings.items()},
-            "wrappers": [asdict(w) for w in wrappers], "pipeline_overhead_s": pipeline}
+            "wrappers": [asdict(w) for w in wrappers], "pipeline_overheads": pipeline}
 
 
 def _free_port() -> int:
@@ -328,9 +334,9 @@ def measure_profile(cfg: MeasureConfig) -> Profile:
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         state=[StateSample(**x) for x in result["state"]],
         wrappers=[WrapperSample(**w) for w in result.get("wrappers", [])],
-        pipeline_overhead_s=result.get("pipeline_overhead_s", 0.0),
+        pipeline_overheads=result.get("pipeline_overheads", {}),
         chains=[ChainSample(**c) for c in result.get("chains", [])],
-        threads_per_rank=result["threads_per_rank"],
+        threads_per_rank=result["threads_per_rank"], cpu_cores=result.get("cpu_cores", 0),
         settings={"warmup": t.warmup, "repeats": t.repeats, "max_repeats": t.max_repeats, "budget_s": t.budget_s,
                   "ranks": cfg.nprocs,
                   "min_message_bytes": cfg.min_message_bytes, "max_message_bytes": cfg.max_message_bytes,

@@ -16,6 +16,7 @@ from planner.errors import InputError
 from planner.fields import Fields
 from planner.jsonio import read_json, write_atomic
 from planner.model_spec import ModelSpec
+from planner.plan import SCHEDULES
 from profiler.analytic import layer_activation_bytes, layer_forward_flops
 
 SCHEMA_VERSION = 1
@@ -135,12 +136,16 @@ class ChainSample:
     seq_len: int
     blocks: int
     seconds: float
+    # what splitting the backward as zero-bubble schedules do (input-grad, then weight-grad:
+    # torch.distributed.pipelining's stage_backward_input / stage_backward_weight) adds to the backward of
+    # the cut's blocks and head; 0: not measured
+    split_extra_s: float = 0.0
 
     @classmethod
     def from_dict(cls, data: dict, path: str) -> "ChainSample":
         f = Fields(data, path)
         return cls(f.int("micro_batch_size", min=1), f.int("seq_len", min=1), f.int("blocks", min=1),
-                   f.float("seconds", min=0.0))
+                   f.float("seconds", min=0.0), f.float("split_extra_s", min=0.0, default=0.0))
 
 
 ENGINES = ("replicate", "fully_shard", "fully_shard_reshard")  # executor.parallelize.apply_dp at ZeRO 0, 1-2, 3
@@ -191,11 +196,12 @@ class Profile:
     created: str = ""
     state: list[StateSample] = field(default_factory=list)
     threads_per_rank: int = 0  # torch intra-op threads of each measuring process (CPU), 0: not recorded
+    cpu_cores: int = 0  # cores the measuring processes shared (CPU), 0: not recorded
     settings: dict[str, float] = field(default_factory=dict)  # warm-up, repeats, ... of the measurement
     wrappers: list[WrapperSample] = field(default_factory=list)  # data-parallel engines in situ (measured)
-    # torch.distributed.pipelining's own cost per stage and micro-batch, P2P included (measured in situ;
-    # 0: not measured, the cost model uses the send/recv link fit)
-    pipeline_overhead_s: float = 0.0
+    # torch.distributed.pipelining's own cost per crossing stage boundary and micro-batch, by schedule,
+    # P2P included (measured in situ; empty: not measured, the cost model uses the send/recv link fit)
+    pipeline_overheads: dict[str, float] = field(default_factory=dict)
     chains: list[ChainSample] = field(default_factory=list)  # whole-model cuts, see `chain_factor`
     schema_version: int = SCHEMA_VERSION
 
@@ -218,23 +224,30 @@ class Profile:
         """Measured time of the cut model run as one module over the sum of its layers' fitted times,
         interpolated over log2(micro-batch size) between measured sizes (clamped outside); 1 without
         chain samples."""
-        if not self.chains:
-            return 1.0
         points = []
-        for c in sorted(self.chains, key=lambda c: c.micro_batch_size):
-            kinds = ["embedding"] + ["block"] * c.blocks + ["head"]
-            alone = sum(sum(self._fitted_time(k, c.micro_batch_size, c.seq_len, 1)) for k in kinds)
+        for c in self.chains:
+            alone = sum(sum(self._fitted_time(k, c.micro_batch_size, c.seq_len, 1)) for k in _cut_kinds(c))
             if alone > 0 and c.seconds > 0:
-                points.append((math.log2(c.micro_batch_size), c.seconds / alone))
-        if not points:
-            return 1.0
-        x = math.log2(b)
-        if x <= points[0][0]:
-            return points[0][1]
-        for (x0, y0), (x1, y1) in zip(points, points[1:]):
-            if x <= x1:
-                return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
-        return points[-1][1]
+                points.append((c.micro_batch_size, c.seconds / alone))
+        return _interpolate(points, b)
+
+    def split_backward_factor(self, b: int) -> float:
+        """How much longer a layer's backward takes split into input- and weight-grad passes (zero-bubble
+        schedules) than whole: 1 + the measured extra / the backward of the cut's blocks and head,
+        interpolated over log2(micro-batch size) like `chain_factor`; 1 when not measured."""
+        points = []
+        for c in self.chains:
+            if c.split_extra_s > 0:
+                b_ = c.micro_batch_size
+                bwd = sum(self._fitted_time(k, b_, c.seq_len, 1)[1] for k in _cut_kinds(c)[1:])
+                if bwd > 0:
+                    points.append((b_, 1.0 + c.split_extra_s / (bwd * self.chain_factor(b_))))
+        return _interpolate(points, b)
+
+    def pipeline_overhead(self, schedule: str) -> float:
+        """Seconds per crossing stage boundary and micro-batch of `schedule`, measured in situ; 0 when not
+        measured (a schedule missing from an older profile takes 1F1B's figure)."""
+        return self.pipeline_overheads.get(schedule, self.pipeline_overheads.get("1f1b", 0.0))
 
     def tp_collectives_measured(self, kind: str, tp: int) -> bool:
         """Whether `layer_time(kind, ·, ·, tp)` already includes the TP collectives (timed across ranks)."""
@@ -349,13 +362,40 @@ class Profile:
             corrections=corrections, created=f.str("created", default=""),
             state=[StateSample.from_dict(m, f"{path}.state[{i}]") for i, m in enumerate(f.list("state", default=[]))],
             threads_per_rank=f.int("threads_per_rank", min=0, default=0),
+            cpu_cores=f.int("cpu_cores", min=0, default=0),
             settings=f.number_map("settings", default={}),
             wrappers=[WrapperSample.from_dict(w, f"{path}.wrappers[{i}]")
                       for i, w in enumerate(f.list("wrappers", default=[]))],
-            pipeline_overhead_s=f.float("pipeline_overhead_s", min=0.0, default=0.0),
+            pipeline_overheads=_overheads(f),
             chains=[ChainSample.from_dict(c, f"{path}.chains[{i}]")
                     for i, c in enumerate(f.list("chains", default=[]))],
         )
+
+
+def _cut_kinds(c: ChainSample) -> list[str]:
+    return ["embedding"] + ["block"] * c.blocks + ["head"]
+
+
+def _interpolate(points: list[tuple[int, float]], b: int) -> float:
+    """Piecewise linear in log2(micro-batch size) through (size, value) points, clamped outside; 1 without."""
+    if not points:
+        return 1.0
+    pts = sorted((math.log2(size), value) for size, value in points)
+    x = math.log2(b)
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
+    return pts[-1][1]
+
+
+def _overheads(f: Fields) -> dict[str, float]:
+    sub = f.obj("pipeline_overheads", default={})
+    for name in sub.data:
+        if name not in SCHEDULES:
+            raise InputError(f"{sub.path}.{name}: expected one of {', '.join(SCHEDULES)}")
+    return {name: sub.float(name, min=0.0) for name in sub.data}
 
 
 def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:

@@ -80,10 +80,15 @@ def print_profile(profile: Profile, console: Console | None = None) -> None:
             et.add_row(w.engine, {0: "0", 1: "1-2", 3: "3"}[zero], f"{w.hook_s * 1e3:.2f}", f"{w.sync_s * 1e3:.2f}",
                        f"{k:.1f}" if k is not None else "-", f"{w.optimizer_ratio:.1f}")
         console.print(et)
-    if profile.pipeline_overhead_s:
-        console.print(f"pipeline schedule in situ: {profile.pipeline_overhead_s * 1e3:.2f} ms per stage and "
-                      f"micro-batch (torch.distributed.pipelining, P2P included)")
+    if profile.pipeline_overheads:
+        per = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in profile.pipeline_overheads.items())
+        console.print(f"pipeline schedules in situ, ms per crossing stage boundary and micro-batch "
+                      f"(torch.distributed.pipelining, P2P included): {per}")
     if profile.chains:
         factors = ", ".join(f"b={c.micro_batch_size}: x{profile.chain_factor(c.micro_batch_size):.2f}"
                             for c in sorted(profile.chains, key=lambda c: c.micro_batch_size))
         console.print(f"layers run as one model vs alone (applied to the t=1 fit): {factors}")
+        if any(c.split_extra_s for c in profile.chains):
+            split = ", ".join(f"b={c.micro_batch_size}: x{profile.split_backward_factor(c.micro_batch_size):.2f}"
+                              for c in sorted(profile.chains, key=lambda c: c.micro_batch_size))
+            console.print(f"backward split into input- and weight-grad (zero-bubble) vs whole: {split}")

@@ -110,9 +110,43 @@ def measure_wrappers(spec: ModelSpec, b: int, s: int, dtype: str, device: torch.
     return samples
 
 
+def _split_extra(model, b: int, s: int, spec: ModelSpec, device: torch.device, cfg: TimingConfig) -> float:
+    """Seconds the split backward (input-grad, then weight-grad, as a zero-bubble schedule runs a stage)
+    adds to the whole backward of the cut's blocks and head (+ loss), fed the embedding's output as a
+    stage input that needs its gradient. torch walks the autograd graph in Python to split it: on small
+    layers this is of the order of the backward itself."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, spec.vocab_size, (b, s), generator=gen).to(device)
+    targets = torch.randint(0, spec.vocab_size, (b, s), generator=gen).to(device)
+    with torch.no_grad():
+        x0 = model.embedding(tokens)
+    params = [p for name, p in model.named_parameters() if not name.startswith("embedding.")]
+    if model.head is not None:  # a tied head's weight is the embedding's
+        params += [p for p in model.head.parameters() if all(p is not q for q in params)]
+
+    def body() -> tuple[torch.Tensor, torch.Tensor]:
+        x = x0.detach().requires_grad_(True)
+        h = x
+        for block in model.blocks.values():
+            h = block(h)
+        return x, loss_fn(model.head(h), targets)
+
+    def split() -> None:
+        x, loss = body()
+        _, groups = stage_backward_input([loss], None, [x], iter(params))
+        stage_backward_weight(iter(params), groups)
+
+    whole = median_time(lambda: body()[1].backward(), device, cfg.warmup, cfg.repeats)
+    return max(0.0, median_time(split, device, cfg.warmup, cfg.repeats) - whole)
+
+
 def measure_chains(spec: ModelSpec, sizes: list[int], s: int, dtype: str, device: torch.device, cfg: TimingConfig,
                    blocks: int = 2) -> list[ChainSample]:
-    """The cut model (embedding, `blocks` blocks, head + loss) run bare as one module, per micro-batch size."""
+    """The cut model (embedding, `blocks` blocks, head + loss) run bare as one module, per micro-batch size,
+    and what splitting its backward adds."""
     blocks = max(1, min(blocks, spec.num_layers))
     model = _model(spec, blocks, device, dtype)
-    return [ChainSample(b, s, blocks, _pass_time(model, b, s, spec, device, cfg)) for b in sizes]
+    return [ChainSample(b, s, blocks, _pass_time(model, b, s, spec, device, cfg),
+                        _split_extra(model, b, s, spec, device, cfg)) for b in sizes]

@@ -178,19 +178,41 @@ def test_tp_collectives_not_added_twice_when_measured_across_ranks():
     assert tp_comm_time(profile, "block", 1, 64, model.hidden_size, 2, "fp32", "none") == 0.0
 
 
-def test_pipeline_overhead_measured_in_situ_replaces_the_hop():
+def test_pipeline_overhead_measured_in_situ_per_schedule_replaces_the_hop():
     model = builtin_model("tiny")
     profile = preset_profile(model, parse_cluster("2xcpu"))
-    assert pipeline_stage_time(profile, 0.001, 2) == pytest.approx(0.002)  # link fit: a hop per neighbour
-    assert pipeline_stage_time(profile, 0.001, 0) == 0.0
-    profile.pipeline_overhead_s = 0.004
-    assert pipeline_stage_time(profile, 0.001, 1) == pytest.approx(0.004)
-    assert pipeline_stage_time(profile, 0.001, 2) == pytest.approx(0.005)
-    cand = Candidate(dp=1, tp=1, pp=2, v=1, schedule="1f1b", b=1, m=4, zero=0, recompute="none")
+    assert pipeline_stage_time(profile, 0.001, 2, "1f1b") == pytest.approx(0.002)  # link fit: a hop per neighbour
+    assert pipeline_stage_time(profile, 0.001, 0, "1f1b") == 0.0
+    profile.pipeline_overheads = {"1f1b": 0.004, "zero-bubble": 0.006}
+    assert pipeline_stage_time(profile, 0.001, 1, "1f1b") == pytest.approx(0.004)
+    assert pipeline_stage_time(profile, 0.001, 2, "1f1b") == pytest.approx(0.008)  # per crossing
+    assert pipeline_stage_time(profile, 0.001, 1, "zero-bubble") == pytest.approx(0.006)
+    assert pipeline_stage_time(profile, 0.001, 1, "gpipe") == pytest.approx(0.004)  # unmeasured: 1F1B's
     links = Links("intra_node", "intra_node", "intra_node")
-    P = build_problem(model, profile, cand, 64, profile.dtype, links, math.inf, [True] * len(model.layers))
-    assert P.boundary == [pytest.approx(0.004)] * 2
+    for schedule, v, expected in (("1f1b", 1, [0.004] * 2), ("zero-bubble", 2, [0.006] * 4)):
+        cand = Candidate(dp=1, tp=1, pp=2, v=v, schedule=schedule, b=1, m=4, zero=0, recompute="none")
+        P = build_problem(model, profile, cand, 64, profile.dtype, links, math.inf, [True] * len(model.layers))
+        assert P.boundary == [pytest.approx(x) for x in expected]  # ZBV: each stage has one remote neighbour
     assert crossings([0, 1, 0, 1], 1) == 2 and crossings([0, 1, 1, 0], 1) == 1
+
+
+def test_zero_bubble_backward_pays_the_measured_split():
+    from profiler.profile import ChainSample, ComputeSample
+
+    model = builtin_model("tiny")
+    profile = preset_profile(model, parse_cluster("2xcpu"))
+    profile.compute = [ComputeSample(k, b, 64, 1, 0.001 * b, 0.002 * b) for k in ("embedding", "block", "head")
+                       for b in (1, 2, 4)]
+    bwd = {b: 3 * 0.002 * b for b in (1, 4)}  # 2 blocks + head
+    profile.chains = [ChainSample(b, 64, 2, 4 * 0.003 * b, split_extra_s=0.5 * bwd[b]) for b in (1, 4)]
+    assert profile.split_backward_factor(1) == pytest.approx(1.5) and profile.split_backward_factor(2) == pytest.approx(1.5)
+    links = Links("intra_node", "intra_node", "intra_node")
+    bwd_of = {}
+    for schedule, v in (("interleaved-1f1b", 2), ("zero-bubble", 2)):
+        cand = Candidate(dp=1, tp=1, pp=2, v=v, schedule=schedule, b=2, m=4, zero=0, recompute="none")
+        bwd_of[schedule] = build_problem(model, profile, cand, 64, profile.dtype, links, math.inf,
+                                         [True] * len(model.layers)).bwd
+    assert bwd_of["zero-bubble"] == [pytest.approx(1.5 * g) for g in bwd_of["interleaved-1f1b"]]
 
 
 def test_chain_factor_scales_tp1_layer_times_between_measured_sizes():

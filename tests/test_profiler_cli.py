@@ -60,8 +60,10 @@ def test_profile_two_cpu_ranks_then_cached(tmp_path, capsys):
     # the executor's data-parallel engines, measured in situ on both ranks
     assert {w.engine for w in p.wrappers} == {"replicate", "fully_shard", "fully_shard_reshard"}
     assert all(w.ranks == 2 and w.unit_params and w.optimizer_ratio > 0 for w in p.wrappers)
-    assert p.pipeline_overhead_s >= 0 and "pipeline schedule in situ" in r.stderr
+    assert set(p.pipeline_overheads) == {"gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"}
+    assert all(v >= 0 for v in p.pipeline_overheads.values()) and "pipeline schedules in situ" in r.stderr
     assert sorted(c.micro_batch_size for c in p.chains) == [1, 2] and p.chain_factor(1) > 0
+    assert all(c.split_extra_s > 0 for c in p.chains) and p.split_backward_factor(1) > 1
     assert all(c.forward_s > 0 and c.backward_s > 0 and c.spread >= 0 for c in p.compute)
     assert {f.measured_group_size for f in p.links["intra_node"].values()} == {2}
     assert {f.measured_group_size for f in p.links["inter_node"].values()} == {0}  # one host: presets
@@ -181,17 +183,24 @@ def test_cached_profile_used_only_when_it_covers_the_request():
     from types import SimpleNamespace
 
     from profiler.cli import covers
-    from profiler.profile import ComputeSample
+    from profiler.profile import ChainSample, ComputeSample
 
     sample = [ComputeSample("block", b, 64, t, 1.0, 2.0) for b in (1, 2) for t in (1, 2)]
-    profile = SimpleNamespace(compute=sample, wrappers=["engine sample"], chains=["chain sample"])
+    chain = [ChainSample(1, 64, 2, 0.1, split_extra_s=0.01)]
+    pipes = {k: 0.001 for k in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")}
+    profile = SimpleNamespace(compute=sample, wrappers=["engine sample"], chains=chain, pipeline_overheads=pipes)
     cfg = SimpleNamespace(micro_batch_sizes=[1, 2], seq_lens=[64], tps=[1, 2], nprocs=2)
     assert covers(profile, cfg)
     assert not covers(profile, SimpleNamespace(**{**vars(cfg), "micro_batch_sizes": [1, 2, 4]}))
-    assert not covers(SimpleNamespace(compute=sample, wrappers=[], chains=["c"]), cfg)  # before the in-situ phases
+    before_in_situ = SimpleNamespace(compute=sample, wrappers=[], chains=chain, pipeline_overheads={})
+    assert not covers(before_in_situ, cfg)
+    one_schedule = SimpleNamespace(**{**vars(profile), "pipeline_overheads": {"1f1b": 0.001}})
+    assert not covers(one_schedule, cfg)  # measured before the per-schedule pipeline phase
+    no_split = SimpleNamespace(**{**vars(profile), "chains": [ChainSample(1, 64, 2, 0.1)]})
+    assert not covers(no_split, cfg)
     one = SimpleNamespace(**{**vars(cfg), "nprocs": 1})
-    assert covers(SimpleNamespace(compute=sample, wrappers=[], chains=["c"]), one)
-    assert not covers(SimpleNamespace(compute=sample, wrappers=[], chains=[]), one)
+    assert covers(before_in_situ, one)
+    assert not covers(SimpleNamespace(**{**vars(before_in_situ), "chains": []}), one)
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -201,7 +210,10 @@ def test_cached_profile_used_only_when_it_covers_the_request():
                    "hook_s": 0.0, "sync_s": 0.0, "optimizer_ratio": 1.0}], "profile.wrappers[0].unit_params"),
     ("chains", [{"micro_batch_size": 0, "seq_len": 8, "blocks": 2, "seconds": 0.1}],
      "profile.chains[0].micro_batch_size"),
-    ("pipeline_overhead_s", -1.0, "profile.pipeline_overhead_s"),
+    ("pipeline_overheads", {"1f1b": -1.0}, "profile.pipeline_overheads.1f1b"),
+    ("pipeline_overheads", {"zb": 0.001}, "profile.pipeline_overheads.zb"),
+    ("chains", [{"micro_batch_size": 1, "seq_len": 8, "blocks": 2, "seconds": 0.1, "split_extra_s": -1}],
+     "profile.chains[0].split_extra_s"),
 ])
 def test_bad_in_situ_fields_are_one_line_errors(tmp_path, capsys, measured_1cpu, field, value, message):
     path = tmp_path / "p.json"
