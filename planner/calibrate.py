@@ -38,7 +38,7 @@ class Run:
 
 
 def predict(plan: Plan, profile: Profile) -> float:
-    """Iteration time the cost model predicts for exactly this plan under `profile`."""
+    """Iteration time the planner predicts for exactly this plan under `profile` (shared CPU cores included)."""
     from planner.search import Search
 
     p = plan.parallel
@@ -49,7 +49,7 @@ def predict(plan: Plan, profile: Profile) -> float:
                      m=p.num_micro_batches, zero=p.zero, recompute=p.recompute, order=order)
     bounds = [s.layers[0] for s in plan.stages] + [plan.stages[-1].layers[1]]
     recompute = [s.recompute_layers for s in plan.stages]
-    return evaluate(search.problem(cand), bounds, recompute).iteration_time
+    return search.shared_time(cand, evaluate(search.problem(cand), bounds, recompute))
 
 
 def with_factors(profile: Profile, log_factors: np.ndarray) -> Profile:

@@ -18,8 +18,9 @@ boundary's point-to-point time. Recomputation runs just before the backward (inp
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from planner.plan import SCHEDULES, Plan, stage_rank
@@ -226,11 +227,14 @@ def _zbv(pp: int, m: int, rank: int) -> list[Action]:
 
 
 def simulate(schedule: str, pp: int, virtual_stages: int, num_micro_batches: int,
-             stage_times: Sequence[StageTimes]) -> Timeline:
+             stage_times: Sequence[StageTimes], rate: Callable[[int], float] | None = None) -> Timeline:
     """Run one iteration of `schedule` and return its events, makespan and bubble.
 
     `stage_times[k]` are stage k's per-micro-batch times (k over pp x virtual_stages stages, in model
-    order). Raises ValueError on inconsistent arguments and RuntimeError if the orders deadlock."""
+    order). `rate(n)`: how fast each computing rank runs, relative to those times, while n ranks compute
+    at once (processor sharing: CPU ranks that outnumber the cores run faster when others idle in the
+    bubble); None: always 1. Point-to-point time is not scaled. Raises ValueError on inconsistent
+    arguments and RuntimeError if the orders deadlock."""
     num_stages = pp * virtual_stages
     if len(stage_times) != num_stages:
         raise ValueError(f"stage_times: expected pp x virtual_stages = {num_stages} entries, got {len(stage_times)}")
@@ -239,9 +243,10 @@ def simulate(schedule: str, pp: int, virtual_stages: int, num_micro_batches: int
     done: dict[tuple[int, str, int], float] = {}  # (stage, kind, micro-batch) -> end time
     events: list[Event] = []
     busy = [0.0] * pp
-    free = [0.0] * pp
     pos = [0] * pp
+    running: dict[int, _Running] = {}
     last = num_stages - 1
+    now = 0.0
 
     def inputs(a: Action) -> list[tuple[int, str, int]]:
         """(stage, kind, micro-batch) this action waits for; kind 'BI' means B or I."""
@@ -259,46 +264,103 @@ def simulate(schedule: str, pp: int, virtual_stages: int, num_micro_batches: int
             return t if t is not None else done.get((stage, "I", mb))
         return done.get((stage, kind, mb))
 
+    def arrival(r: int, a: Action) -> tuple[float, list[Event]] | None:
+        """When the action's inputs are all on rank r (None: some not produced yet), with the p2p events."""
+        ready, p2p = 0.0, []
+        for stage, kind, mb in inputs(a):
+            t = finished(stage, kind, mb)
+            if t is None:
+                return None
+            if rank_of[stage] != r:
+                comm = stage_times[stage].communication
+                if comm > 0:
+                    p2p.append(Event(r, a.stage, mb, "p2p_forward" if kind == "F" else "p2p_backward",
+                                     t, t + comm, peer=rank_of[stage]))
+                t += comm
+            ready = max(ready, t)
+        return ready, p2p
+
+    def finish(r: int, job: _Running) -> None:
+        done[job.action.stage, job.action.kind, job.action.micro_batch] = now
+        busy[r] += now - job.started
+        pos[r] += 1
+        del running[r]
+
     remaining = sum(len(o) for o in orders)
     while remaining:
-        progressed = False
-        for r in range(pp):
-            while pos[r] < len(orders[r]):
+        wake = math.inf
+        for r in range(pp):  # start every action whose inputs have arrived
+            while r not in running and pos[r] < len(orders[r]):
                 a = orders[r][pos[r]]
-                ready = free[r]
-                arrivals = []
-                for stage, kind, mb in inputs(a):
-                    t = finished(stage, kind, mb)
-                    if t is None:
-                        break
-                    if rank_of[stage] != r:
-                        comm = stage_times[stage].communication
-                        arrivals.append(Event(r, a.stage, mb, "p2p_forward" if kind == "F" else "p2p_backward",
-                                              t, t + comm, peer=rank_of[stage]))
-                        t += comm
-                    ready = max(ready, t)
-                else:
-                    events.extend(e for e in arrivals if e.duration > 0)
-                    t = _run(a, r, ready, stage_times[a.stage], events)
-                    busy[r] += t - ready
-                    free[r] = t
-                    done[a.stage, a.kind, a.micro_batch] = t
-                    pos[r] += 1
+                got = arrival(r, a)
+                if got is None:
+                    break
+                if got[0] > now + _EPS:
+                    wake = min(wake, got[0])
+                    break
+                events.extend(got[1])
+                running[r] = _Running(a, now, _spans(a, stage_times[a.stage]))
+                if not running[r].spans:  # nothing to compute
+                    finish(r, running[r])
                     remaining -= 1
-                    progressed = True
-                    continue
-                break
-        if not progressed:
-            stuck = {r: str(orders[r][pos[r]]) for r in range(pp) if pos[r] < len(orders[r])}
-            raise RuntimeError(f"pipeline schedule {schedule} deadlocked waiting at {stuck}")
+        if not running:
+            if wake == math.inf:
+                stuck = {r: str(orders[r][pos[r]]) for r in range(pp) if pos[r] < len(orders[r])}
+                raise RuntimeError(f"pipeline schedule {schedule} deadlocked waiting at {stuck}")
+            now = wake
+            continue
+        speed = rate(len(running)) if rate is not None else 1.0
+        for job in running.values():
+            job.pace(now, speed)
+        now = min(wake, min(job.end for job in running.values()))
+        for r, job in list(running.items()):
+            if job.end > now + _EPS:
+                continue
+            events.append(Event(r, job.action.stage, job.action.micro_batch, job.spans[0][0], job.span_start, now))
+            job.spans.pop(0)
+            job.span_start = now
+            job.speed = 0.0  # the next span's end is set by pace
+            if not job.spans:
+                finish(r, job)
+                remaining -= 1
     makespan = max((e.end for e in events), default=0.0)
     return Timeline(schedule, pp, virtual_stages, num_micro_batches, orders, events, makespan, busy,
                     _max_in_flight(orders))
 
 
-def _run(a: Action, rank: int, start: float, st: StageTimes, events: list[Event]) -> float:
-    """Append the events of one action starting at `start`; return its end."""
-    t = start
+_EPS = 1e-12
+
+
+@dataclass
+class _Running:
+    """The action a rank is computing: its spans (kind, seconds of work), the current one first, and
+    when the current one ends at the present `speed` (0: not yet paced)."""
+
+    action: Action
+    started: float
+    spans: list[tuple[str, float]]
+    span_start: float = 0.0
+    end: float = 0.0
+    speed: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.span_start = self.started
+
+    def pace(self, now: float, speed: float) -> None:
+        """Run on at `speed` from `now`: the work left keeps, the end moves (start + seconds exactly when
+        the speed never changes, so a constant-rate run matches the fixed-speed timeline)."""
+        if self.speed == speed:
+            return
+        kind, work = self.spans[0]
+        if self.speed > 0:
+            work = (self.end - now) * self.speed
+            self.spans[0] = (kind, work)
+        self.end = now + work / speed
+        self.speed = speed
+
+
+def _spans(a: Action, st: StageTimes) -> list[tuple[str, float]]:
+    """The (kind, seconds) an action computes, in order; zero-length ones left out."""
     if a.kind == "F":
         spans = [("forward", st.forward)]
     elif a.kind == "B":
@@ -307,11 +369,7 @@ def _run(a: Action, rank: int, start: float, st: StageTimes, events: list[Event]
         spans = [("recompute", st.recompute), ("backward_input", st.backward * (1 - st.weight_fraction))]
     else:
         spans = [("backward_weight", st.backward * st.weight_fraction)]
-    for kind, seconds in spans:
-        if seconds > 0:
-            events.append(Event(rank, a.stage, a.micro_batch, kind, t, t + seconds))
-            t += seconds
-    return t
+    return [(k, sec) for k, sec in spans if sec > 0]
 
 
 def _max_in_flight(orders: list[list[Action]]) -> dict[int, int]:

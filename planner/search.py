@@ -50,6 +50,7 @@ from planner.plan import (
     stage_rank,
 )
 from planner.report import human_bytes
+from planner.shared_cores import relative_rate, shared_iteration_time
 from profiler.analytic import DTYPE_BYTES
 
 Progress = Callable[[int, int], None]
@@ -62,6 +63,7 @@ class Scored:
     problem: StageProblem
     solution: Solution
     index: int  # enumeration order: the tie-break (simpler plans are enumerated first)
+    time: float  # predicted iteration seconds: the objective, with CPU cores shared (planner/shared_cores.py)
 
     @property
     def objective(self) -> float:
@@ -148,6 +150,8 @@ class Search:
         # (time lower bound, memory lower bound, candidate) of everything considered, for `--pareto`.
         self.bounds_seen: list[tuple[float, float, Candidate]] = []
         self.quick = _Quick(model)
+        self.rate = relative_rate(profile)  # None unless CPU ranks outnumbered the cores when profiled
+        self.max_speedup = max(1.0, self.rate(1)) if self.rate is not None else 1.0
 
     def problem(self, cand: Candidate) -> StageProblem:
         links = self.placer.links(cand.pp, cand.dp, cand.tp, cand.order)
@@ -258,8 +262,12 @@ class Search:
         for done, (bound, index, cand) in enumerate(bounded):
             if progress is not None:
                 progress(done, len(bounded))
-            if len(results) >= keep and bound > results[keep - 1].objective * (1 + 1e-12):
-                break
+            if len(results) >= keep:
+                limit = results[keep - 1].time * (1 + 1e-12)
+                if bound > limit * self.max_speedup:
+                    break  # sorted bounds: no later candidate can do better
+                if bound > limit * self.speedup(cand):
+                    continue
             problem = self.problem(cand)
             if cand.recompute != "none" and not cand.recompute_pinned:
                 # With free recompute counts the optimum is the no-recompute one whenever that fits.
@@ -275,11 +283,29 @@ class Search:
                 self.memory_pruned.append((1.0, index, cand))
                 continue
             self.feasible += 1
-            results.append(Scored(cand, problem, solution, index))
-            results.sort(key=lambda r: (r.objective, r.index))
+            results.append(Scored(cand, problem, solution, index, self.iteration_time(cand, problem, solution)))
+            results.sort(key=lambda r: (r.time, r.index))
         if progress is not None:
             progress(len(bounded), len(bounded))
         return results
+
+    def speedup(self, cand: Candidate) -> float:
+        """How much faster than its closed form a candidate can run on shared CPU cores (>= 1): its
+        pipeline ranks alone, at best (`bounds` divided by this stays a lower bound)."""
+        if self.rate is None or cand.pp == 1:
+            return 1.0
+        return max(1.0, self.rate(cand.dp * cand.tp))
+
+    def iteration_time(self, cand: Candidate, problem: StageProblem, solution: Solution) -> float:
+        """The predicted iteration seconds of a solved candidate: the closed form, or on CPU ranks that
+        outnumber the cores, its pipeline part simulated with processor sharing."""
+        if self.rate is None or cand.pp == 1:
+            return solution.objective
+        return self.shared_time(cand, evaluate(problem, solution.bounds, solution.recompute))
+
+    def shared_time(self, cand: Candidate, ev: Evaluation) -> float:
+        """An evaluation's iteration seconds with processor sharing applied (unchanged without it)."""
+        return shared_iteration_time(ev, cand.schedule, cand.pp, cand.v, cand.m, cand.dp * cand.tp, self.rate)
 
     def nearest(self, limit: int = 4) -> tuple[Candidate, StageProblem, Solution] | None:
         """The candidate closest to fitting: the few with the best memory bounds, each solved for the
@@ -345,7 +371,7 @@ def find_plan(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints, 
             if cand in solved:
                 r = solved[cand]
                 ev = evaluate(r.problem, r.solution.bounds, r.solution.recompute)
-                bound, memory = ev.iteration_time, max(ev.rank_memory)
+                bound, memory = r.time, max(ev.rank_memory)
             considered.append((bound, memory, describe(cand)))
     if not search.considered:
         pins = [f"--{k.replace('_', '-')} {v}" for k, v in (
@@ -415,14 +441,15 @@ def infeasible_message(search: Search) -> str:
 
 def _predicted(search: Search, scored: Scored, ev: Evaluation) -> Predicted:
     cand = scored.cand
+    seconds = scored.time
     tokens = search.c.global_batch_size * search.seq
     flops = model_flops_per_iteration(search.model, search.c.global_batch_size, search.seq)
     peak = search.cluster.device.peak_flops[search.c.dtype] * cand.dp * cand.tp * cand.pp
     bubble = scored.problem.bubble
     return Predicted(
-        iteration_time_s=ev.iteration_time, tokens_per_s=tokens / ev.iteration_time,
+        iteration_time_s=seconds, tokens_per_s=tokens / seconds,
         bubble_fraction=bubble / (scored.problem.m + bubble), peak_memory_bytes=max(ev.rank_memory),
-        mfu=flops / (ev.iteration_time * peak))
+        mfu=flops / (seconds * peak))
 
 
 def _parallel(search: Search, scored: Scored) -> ParallelConfig:
@@ -460,7 +487,7 @@ def to_plan(search: Search, results: list[Scored], stats: SearchStats) -> Plan:
             continue
         seen.add(_key(par, other.cand.order))
         oev = evaluate(other.problem, other.solution.bounds, other.solution.recompute)
-        note = f"{(oev.iteration_time / ev.iteration_time - 1):+.1%} time"
+        note = f"{(other.time / best.time - 1):+.1%} time"
         if other.cand.order != cand.order:
             note += f", mesh order {'/'.join(other.cand.order)}"
         alternatives.append(Alternative(par, _predicted(search, other, oev), note))

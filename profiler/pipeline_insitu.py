@@ -8,7 +8,8 @@ This phase runs each real schedule on pairs of ranks (one stage per rank for GPi
 interleaved 1F1B and zero-bubble V) over stages that do almost nothing (scale the b·s·h activation by
 one learned scalar) with m1 and m2 micro-batches: the slope of the step time over m, divided by the
 rank's stage boundaries that cross to the other rank, is the schedule's own cost per crossing and
-micro-batch (a stage between two remote neighbours pays it twice), P2P of the real message size included, with no compute (and, on CPU, no contention between the stages' compute) to subtract.
+micro-batch (a stage between two remote neighbours pays it twice), P2P of the real message size
+included, with no compute (and, on CPU, no contention between the stages' compute) to subtract.
 The split backward's extra compute on real layers is measured separately (ChainSample.split_extra_s).
 """
 
@@ -54,8 +55,9 @@ def _schedule(name: str, modules: list[nn.Module], indices: list[int], num_stage
 
 def measure_pipeline_overheads(spec: ModelSpec, b: int, s: int, dtype: str, device: torch.device,
                                cfg: TimingConfig, m1: int = 2, m2: int = 8) -> dict[str, float]:
-    """Seconds per crossing stage boundary and micro-batch (>= 0) of every schedule, the median over the pairs. Every rank
-    of the default group calls this together (an even number of ranks: consecutive pairs are the pipelines)."""
+    """Seconds per crossing stage boundary and micro-batch (>= 0) of every schedule, the median over the
+    pairs. Every rank of the default group calls this together (an even number of ranks: consecutive
+    pairs are the pipelines)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world, rank = dist.get_world_size(), dist.get_rank()

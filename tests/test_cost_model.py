@@ -205,7 +205,8 @@ def test_zero_bubble_backward_pays_the_measured_split():
                        for b in (1, 2, 4)]
     bwd = {b: 3 * 0.002 * b for b in (1, 4)}  # 2 blocks + head
     profile.chains = [ChainSample(b, 64, 2, 4 * 0.003 * b, split_extra_s=0.5 * bwd[b]) for b in (1, 4)]
-    assert profile.split_backward_factor(1) == pytest.approx(1.5) and profile.split_backward_factor(2) == pytest.approx(1.5)
+    assert profile.split_backward_factor(1) == pytest.approx(1.5)
+    assert profile.split_backward_factor(2) == pytest.approx(1.5)
     links = Links("intra_node", "intra_node", "intra_node")
     bwd_of = {}
     for schedule, v in (("interleaved-1f1b", 2), ("zero-bubble", 2)):

@@ -79,7 +79,10 @@ def test_unsupported_combination_is_refused(tmp_path, run_executor, monkeypatch)
 def test_every_rank_reports_under_torchrun(tmp_path):
     path = tmp_path / "plan.json"
     save_plan(make_plan(dp=4, cluster="4xcpu"), str(path))
-    proc = torchrun(["-m", "executor", str(path)], nproc=2, timeout=180)
+    # torchrun stops the other workers once one has failed; monitoring every 5 s (not 0.1 s) lets the
+    # slower rank reach its own check first on a loaded machine
+    args = ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--monitor-interval", "5"]
+    proc = torchrun(["-m", "executor", str(path)], nproc=2, timeout=180, torchrun_args=args)
     assert proc.returncode != 0
     assert os.path.join(repo_root(), "executor") not in proc.stderr  # torchrun's own report only, no rank traceback
     for rank in (0, 1):

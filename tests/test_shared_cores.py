@@ -1,0 +1,60 @@
+"""Processor sharing: CPU ranks that outnumber the cores run faster while others idle in the bubble."""
+
+import pytest
+
+from planner.cluster_spec import parse_cluster
+from planner.constraints import Constraints
+from planner.model_sources import builtin_model
+from planner.schedule import StageTimes, simulate
+from planner.search import find_plan
+from planner.shared_cores import relative_rate
+from profiler.presets import preset_profile
+
+
+def _profile(cores: int, ranks: int = 4, device: str = "cpu"):
+    profile = preset_profile(builtin_model("tiny"), parse_cluster(f"{ranks}xcpu"), "fp32")
+    profile.device_kind, profile.cpu_cores, profile.threads_per_rank, profile.concurrent_ranks = device, cores, 1, ranks
+    return profile
+
+
+def test_rate_is_relative_to_the_measured_contention():
+    rate = relative_rate(_profile(cores=2))  # measured at 4 processes on 2 cores: half speed
+    assert rate(4) == pytest.approx(1.0) and rate(2) == pytest.approx(2.0) and rate(1) == pytest.approx(2.0)
+    assert rate(8) == pytest.approx(0.5)
+    assert relative_rate(_profile(cores=4)) is None  # every rank had its core
+    assert relative_rate(_profile(cores=2, device="cuda")) is None
+    assert relative_rate(_profile(cores=0)) is None  # not recorded
+
+
+def test_shared_simulation_speeds_up_only_what_runs_alone():
+    rate = relative_rate(_profile(cores=2))
+    st = [StageTimes(1.0, 2.0)] * 4
+    fixed = simulate("gpipe", 4, 1, 2, st)
+    assert fixed.makespan == pytest.approx(15.0)  # (m + pp - 1)(f + b)
+    # with 2 micro-batches at most 2 of the 4 ranks compute at once: all of it at full speed
+    assert simulate("gpipe", 4, 1, 2, st, rate=rate).makespan == pytest.approx(7.5)
+    steady = simulate("1f1b", 4, 1, 8, st, rate=rate)
+    work = 4 * 8 * 3.0 * 0.5 / 2  # core-seconds at full speed over 2 cores: the floor
+    assert work <= steady.makespan < simulate("1f1b", 4, 1, 8, st).makespan
+    same = simulate("1f1b", 2, 1, 4, st[:2], rate=lambda n: 1.0)
+    assert [(e.kind, e.start, e.end) for e in same.events] == \
+        [(e.kind, e.start, e.end) for e in simulate("1f1b", 2, 1, 4, st[:2]).events]
+
+
+def test_search_predicts_pipelined_plans_faster_on_shared_cores():
+    model, cluster = builtin_model("tiny"), parse_cluster("4xcpu")
+    pins = dict(global_batch_size=16, seq_len=64, dtype="fp32", top_k=0)
+    gpipe = Constraints(**pins, pp=4, dp=1, tp=1, schedule="gpipe", micro_batch_size=8)
+    shared = find_plan(model, cluster, gpipe, _profile(cores=2)).predicted.iteration_time_s
+    alone = find_plan(model, cluster, gpipe, _profile(cores=4)).predicted.iteration_time_s
+    assert alone / 2 < shared < alone
+    dp = Constraints(**pins, pp=1, dp=4, tp=1, micro_batch_size=4)  # every rank always busy: unchanged
+    assert find_plan(model, cluster, dp, _profile(cores=2)).predicted.iteration_time_s == \
+        pytest.approx(find_plan(model, cluster, dp, _profile(cores=4)).predicted.iteration_time_s)
+
+
+def test_choice_is_the_fastest_shared_prediction():
+    model, cluster = builtin_model("tiny"), parse_cluster("4xcpu")
+    plan = find_plan(model, cluster, Constraints(global_batch_size=16, seq_len=64, dtype="fp32", top_k=4),
+                     _profile(cores=2))
+    assert all(plan.predicted.iteration_time_s <= a.predicted.iteration_time_s for a in plan.alternatives)
