@@ -93,14 +93,27 @@ def pp_comm_time(profile, b: int, s: int, h: int, tp: int, dtype: str, sequence_
     return profile.collective_time("send_recv", nbytes, 2, link_class) * profile.correction("pp_comm")
 
 
-def pipeline_stage_time(profile, hop: float, crossings: int, schedule: str) -> float:
+def pipeline_stage_time(profile, hop: float, crossings: int, schedule: str, unfused: float = 0.0) -> float:
     """Per stage and micro-batch: the pipeline's cost for a stage with `crossings` neighbours on other
     ranks. Measured in situ per schedule and crossing (torch.distributed.pipelining's bookkeeping, P2P
-    and waits; zero-bubble's extra actions), else the link fit's `hop` per neighbour."""
+    and waits; zero-bubble's extra actions), else the link fit's `hop` per neighbour. 1F1B's figure is
+    its steady state; the `unfused` share of its micro-batches pays GPipe's (see `unfused_share`)."""
     overhead = profile.pipeline_overhead(schedule)
+    if schedule == "1f1b" and unfused > 0:
+        overhead = (1 - unfused) * overhead + unfused * profile.pipeline_overhead("gpipe")
     if overhead > 0:
         return overhead * profile.correction("pp_comm") * crossings
     return hop * crossings
+
+
+def unfused_share(schedule: str, pp: int, m: int, rank: int) -> float:
+    """Share of a 1F1B rank's micro-batches outside the steady state. Schedule1F1B fuses each backward's
+    send with the next forward's receive (and the reverse) only in its 1B1F phase; the min(m, pp − rank)
+    warm-up forwards and their cool-down backwards send and receive one by one, as GPipe does
+    (torch/distributed/pipelining/schedules.py). With m ≤ pp − rank the whole step is GPipe's."""
+    if schedule != "1f1b" or m < 1:
+        return 0.0
+    return min(m, pp - rank) / m
 
 
 def split_backward_factor(profile, schedule: str, b: int) -> float:
@@ -501,7 +514,8 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
     rank = [stage_rank(k, pp, cand.schedule, v) for k in range(S)]
     hop = terms.hop(b, tp, links.pp) if pp > 1 else 0.0
     root = root_hook_time(profile, dp, zero)
-    boundary = [root + pipeline_stage_time(profile, hop, crossings(rank, k), cand.schedule) for k in range(S)]
+    boundary = [root + pipeline_stage_time(profile, hop, crossings(rank, k), cand.schedule,
+                                           unfused_share(cand.schedule, pp, cand.m, rank[k])) for k in range(S)]
     inflight = [in_flight(cand.schedule, pp, v, cand.m, r) for r in range(pp)]
     fixed = [0.0] * pp
     pb, gb, ob = state_bytes_per_param(dtype, zero, dp)

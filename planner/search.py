@@ -32,6 +32,7 @@ from planner.cost_model import (
     pipeline_stage_time,
     root_hook_time,
     state_bytes_per_param,
+    unfused_share,
     unhidden_share,
     zb_ratio,
 )
@@ -172,7 +173,8 @@ class Search:
         agg = self._layer_sums(tp, cand.dp, cand.zero, links.dp)
         rank = self._ranks(pp, cand.schedule, cand.v)
         hop = self.terms.hop(b, tp, links.pp) if pp > 1 else 0.0
-        pipe = sum(pipeline_stage_time(self.profile, hop, crossings(rank, k), cand.schedule) for k in range(S))
+        pipe = sum(pipeline_stage_time(self.profile, hop, crossings(rank, k), cand.schedule,
+                                       unfused_share(cand.schedule, pp, cand.m, rank[k])) for k in range(S))
         unhidden = unhidden_share(self.profile, cand.dp, cand.zero, q.num_layers, S)
         z3 = max(agg["gather"] - fsum - gsum, unhidden * agg["gather"]) if agg["gather"] > 0 else 0.0
         work = tsum + pipe + z3 + S * root_hook_time(self.profile, cand.dp, cand.zero)

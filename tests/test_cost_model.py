@@ -22,6 +22,7 @@ from planner.cost_model import (
     sharded_dp_time,
     state_bytes_per_param,
     tp_comm_time,
+    unfused_share,
     unhidden_share,
     zb_ratio,
 )
@@ -194,6 +195,20 @@ def test_pipeline_overhead_measured_in_situ_per_schedule_replaces_the_hop():
         P = build_problem(model, profile, cand, 64, profile.dtype, links, math.inf, [True] * len(model.layers))
         assert P.boundary == [pytest.approx(x) for x in expected]  # ZBV: each stage has one remote neighbour
     assert crossings([0, 1, 0, 1], 1) == 2 and crossings([0, 1, 1, 0], 1) == 1
+
+
+def test_one_f_one_b_pays_gpipe_overhead_outside_its_steady_state():
+    model = builtin_model("tiny")
+    profile = preset_profile(model, parse_cluster("2xcpu"))
+    profile.pipeline_overheads = {"gpipe": 0.004, "1f1b": 0.001}
+    assert unfused_share("1f1b", 2, 8, 0) == pytest.approx(2 / 8)
+    assert unfused_share("1f1b", 2, 8, 1) == pytest.approx(1 / 8)
+    assert unfused_share("1f1b", 4, 2, 1) == 1.0 and unfused_share("gpipe", 2, 8, 0) == 0.0
+    links = Links("intra_node", "intra_node", "intra_node")
+    for m, expected in ((2, [0.004, 0.0025]), (8, [0.00175, 0.001375])):  # rank 0: 2 warm-ups, rank 1: 1
+        cand = Candidate(dp=1, tp=1, pp=2, v=1, schedule="1f1b", b=1, m=m, zero=0, recompute="none")
+        P = build_problem(model, profile, cand, 64, profile.dtype, links, math.inf, [True] * len(model.layers))
+        assert P.boundary == [pytest.approx(x) for x in expected]
 
 
 def test_zero_bubble_backward_pays_the_measured_split():
