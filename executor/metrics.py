@@ -47,6 +47,9 @@ def tensor_bytes(tensors) -> int:
     return sum(seen.values())
 
 
+PROFILER_USED = [False]  # set once the torch profiler (kineto) has run in this process: see executor/__main__.py
+
+
 @contextmanager
 def track_cpu_allocations():
     """Peak bytes allocated inside the block above what was live before it, from the torch profiler's
@@ -55,6 +58,7 @@ def track_cpu_allocations():
     from torch.profiler import ProfilerActivity, profile
 
     out = {"peak": 0}
+    PROFILER_USED[0] = True
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
