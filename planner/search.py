@@ -152,7 +152,7 @@ class Search:
         self.bounds_seen: list[tuple[float, float, Candidate]] = []
         self.quick = _Quick(model)
         self.rate = relative_rate(profile)  # None unless CPU ranks outnumbered the cores when profiled
-        self.max_speedup = max(1.0, self.rate(1)) if self.rate is not None else 1.0
+        self.max_speedup = max(1.0, self.rate(1)) * cluster.world_size if self.rate is not None else 1.0
 
     def problem(self, cand: Candidate) -> StageProblem:
         links = self.placer.links(cand.pp, cand.dp, cand.tp, cand.order)
@@ -292,11 +292,13 @@ class Search:
         return results
 
     def speedup(self, cand: Candidate) -> float:
-        """How much faster than its closed form a candidate can run on shared CPU cores (>= 1): its
-        pipeline ranks alone, at best (`bounds` divided by this stays a lower bound)."""
+        """How much below its `bounds` lower bound a candidate's prediction can fall on shared CPU cores
+        (>= 1; bound / speedup stays a lower bound): the simulated schedule takes at least the busiest
+        rank's m micro-batches, at most rate(dp·tp) faster, where the bound also counts up to pp − 1
+        bubble micro-batches."""
         if self.rate is None or cand.pp == 1:
             return 1.0
-        return max(1.0, self.rate(cand.dp * cand.tp))
+        return max(1.0, self.rate(cand.dp * cand.tp)) * (cand.m + cand.pp - 1) / cand.m
 
     def iteration_time(self, cand: Candidate, problem: StageProblem, solution: Solution) -> float:
         """The predicted iteration seconds of a solved candidate: the closed form, or on CPU ranks that

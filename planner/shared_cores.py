@@ -7,9 +7,11 @@ n processes computing the speed is min(1, C / (n·t)) (processor sharing, the st
 time-shared CPU: Kleinrock, Queueing Systems vol. 2, 1976, §4.4). The closed form of the cost model
 keeps every rank at the measured speed, which over-predicts bubble-heavy plans (measured on tiny, 4 ranks
 on 2 cores: GPipe pp=4 with 2 micro-batches ran in 88 ms against 142 ms predicted). For pipelined plans the
-search therefore scales the closed form's pipeline time by the ratio of the schedule simulated with
-processor sharing to the same simulation at fixed speed (planner/schedule.py); the once-per-iteration
-tail (optimizer, exposed gradient sync) runs on all ranks and keeps the measured speed.
+search therefore predicts the pipeline part by simulating the plan's own schedule with processor sharing
+(planner/schedule.py) from the closed form's per-stage times; the once-per-iteration tail (optimizer,
+exposed gradient sync) runs on all ranks and keeps the measured speed. The simulation, not the closed
+form's bubble formula, then also sets the bubble: for zero-bubble V with few micro-batches (m < 2pp − 1)
+that formula is optimistic, and scaling it by the sharing speed-up would count the bubble twice.
 """
 
 from __future__ import annotations
@@ -53,13 +55,9 @@ def stage_times(ev: Evaluation) -> list[StageTimes]:
 
 def shared_iteration_time(ev: Evaluation, schedule: str, pp: int, v: int, m: int, replicas: int,
                           rate: Rate | None) -> float:
-    """The evaluation's iteration time with the pipeline part scaled for processor sharing; `replicas`
-    (dp·tp) processes run every pipeline rank's work at once."""
+    """The evaluation's iteration time with the pipeline part simulated under processor sharing;
+    `replicas` (dp·tp) processes run every pipeline rank's work at once."""
     if rate is None or pp == 1:
         return ev.iteration_time
-    times = stage_times(ev)
-    fixed = simulate(schedule, pp, v, m, times)
-    shared = simulate(schedule, pp, v, m, times, rate=lambda n: rate(n * replicas))
-    if fixed.makespan <= 0:
-        return ev.iteration_time
-    return (ev.iteration_time - ev.tail) * shared.makespan / fixed.makespan + ev.tail
+    shared = simulate(schedule, pp, v, m, stage_times(ev), rate=lambda n: rate(n * replicas))
+    return shared.makespan + ev.tail

@@ -47,7 +47,9 @@ def test_search_predicts_pipelined_plans_faster_on_shared_cores():
     gpipe = Constraints(**pins, pp=4, dp=1, tp=1, schedule="gpipe", micro_batch_size=8)
     shared = find_plan(model, cluster, gpipe, _profile(cores=2)).predicted.iteration_time_s
     alone = find_plan(model, cluster, gpipe, _profile(cores=4)).predicted.iteration_time_s
-    assert alone / 2 < shared < alone
+    # at most 2 of the 4 ranks compute at once: everything at twice the measured speed (the exact law is
+    # test_shared_simulation_speeds_up_only_what_runs_alone); the closed form's bubble differs a little
+    assert alone / 3 < shared < 0.75 * alone
     dp = Constraints(**pins, pp=1, dp=4, tp=1, micro_batch_size=4)  # every rank always busy: unchanged
     assert find_plan(model, cluster, dp, _profile(cores=2)).predicted.iteration_time_s == \
         pytest.approx(find_plan(model, cluster, dp, _profile(cores=4)).predicted.iteration_time_s)
@@ -58,3 +60,16 @@ def test_choice_is_the_fastest_shared_prediction():
     plan = find_plan(model, cluster, Constraints(global_batch_size=16, seq_len=64, dtype="fp32", top_k=4),
                      _profile(cores=2))
     assert all(plan.predicted.iteration_time_s <= a.predicted.iteration_time_s for a in plan.alternatives)
+
+
+def test_pruning_keeps_the_best_shared_prediction():
+    """The lower bounds, divided by the largest sharing speed-up a candidate can get, still prune only
+    candidates that cannot win: the best equals that of solving every candidate."""
+    from planner.search import Search
+
+    model, cluster = builtin_model("tiny"), parse_cluster("4xcpu")
+    constraints = Constraints(global_batch_size=16, seq_len=64, dtype="fp32", top_k=0, zero=0, recompute="none")
+    pruned = Search(model, cluster, constraints, _profile(cores=2)).run(1)
+    everything = Search(model, cluster, constraints, _profile(cores=2)).run(10**6)
+    assert len(everything) > 10
+    assert pruned[0].time == pytest.approx(min(r.time for r in everything))
