@@ -4,7 +4,7 @@ busy ones, which then run faster than the profile's times.
 A CPU profile is measured with all `concurrent_ranks` processes computing at once, each with
 `threads_per_rank` threads on `cpu_cores` cores, so its times hold at the speed min(1, C / (R·t)). With
 n processes computing the speed is min(1, C / (n·t)) (processor sharing, the standard model of a
-time-shared CPU: Kleinrock, Queueing Systems vol. 2, 1976, §4.4). The closed form of the cost model
+time-shared CPU: Kleinrock, Queueing Systems vol. 2, 1976, ch. 4). The closed form of the cost model
 keeps every rank at the measured speed, which over-predicts bubble-heavy plans (measured on tiny, 4 ranks
 on 2 cores: GPipe pp=4 with 2 micro-batches ran in 88 ms against 142 ms predicted). For pipelined plans the
 search therefore predicts the pipeline part by simulating the plan's own schedule with processor sharing
