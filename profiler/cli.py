@@ -105,8 +105,9 @@ def main(argv: Sequence[str]) -> int:
 
 def covers(profile, cfg) -> bool:
     """Whether a cached profile holds every point this request would measure: each (micro-batch, sequence)
-    size and TP degree, the whole-model chain (whole and split backward), and the in-situ engine and
-    per-schedule pipeline measurements when several ranks run."""
+    size and TP degree, the whole-model chain (whole and split backward; tensor-parallel at each degree
+    timed across ranks), and the in-situ engine and per-schedule pipeline measurements when several ranks
+    run."""
     from planner.plan import SCHEDULES
     from profiler.measure import in_situ_phases
 
@@ -115,8 +116,10 @@ def covers(profile, cfg) -> bool:
     engines, pipelines = in_situ_phases(cfg.nprocs)
     in_situ = not engines or bool(profile.wrappers)
     pipelines = not pipelines or set(SCHEDULES) <= set(profile.pipeline_overheads)
-    split = bool(profile.chains) and all(c.split_extra_s > 0 for c in profile.chains)
-    return want <= have and in_situ and pipelines and split
+    bare = [c for c in profile.chains if c.tp == 1]
+    split = bool(bare) and all(c.split_extra_s > 0 for c in bare)
+    joint = {c.tp for c in profile.compute if c.with_collectives}  # TP degrees run across ranks: chained too
+    return want <= have and in_situ and pipelines and split and joint <= {c.tp for c in profile.chains}
 
 
 def _measure_or_cached(args: argparse.Namespace, model, cluster):

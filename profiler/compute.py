@@ -1,8 +1,9 @@
 """Forward and backward time per layer kind, micro-batch size, sequence length and TP degree.
 
 GPU: CUDA events around each pass and a synchronize before reading them; CPU: the monotonic
-perf_counter. Each point gets warm-up passes, then `repeats` timed passes; the sample keeps the median
-and the spread (p90 - p10) / median so that the planner (and the user) can see how noisy it was.
+perf_counter. Each point gets warm-up passes, then `repeats` timed passes; the sample keeps their typical
+time (`typical`: the mean on CPU, the median on GPU) and the spread (p90 - p10) / median so that the
+planner (and the user) can see how noisy it was.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from profiler.profile import ComputeSample
 @dataclass
 class TimingConfig:
     """`repeats` timed passes at least; cheap points keep going (up to `max_repeats`) while their timed
-    passes total less than `budget_s`, so that a median over many passes shrugs off a descheduled one."""
+    passes total less than `budget_s`, so that their typical time covers many scheduler time slices."""
 
     # On 2 CPU ranks, 2 warm-up and 5 timed passes left tiny's block samples non-monotonic with 50-100 %
     # spread (first-touch allocation, kernel selection); 10 and 15 gave monotonic samples within ~20 %.
@@ -50,9 +51,9 @@ class Stopwatch:
         return out, time.perf_counter() - t0
 
 
-def median_time(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int,
-                between: Callable[[], object] | None = None) -> float:
-    """Median seconds of `repeats` calls of `fn` after `warmup` untimed ones: a fixed count, so ranks that
+def typical_time(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int,
+                 between: Callable[[], object] | None = None) -> float:
+    """Typical seconds of `repeats` calls of `fn` after `warmup` untimed ones: a fixed count, so ranks that
     run collectives together stay in lockstep. `between` runs after each call, outside the timing."""
     watch = Stopwatch(device)
     times = []
@@ -62,7 +63,17 @@ def median_time(fn: Callable[[], object], device: torch.device, warmup: int, rep
             between()
         if i >= warmup:
             times.append(t)
-    return median(times)
+    return typical(times, device)
+
+
+def typical(xs: list[float], device: torch.device) -> float:
+    """What one pass costs within a long run of them. CPU: the mean. When the ranks outnumber the cores the
+    kernel time-slices them, and a pass shorter than a slice often runs whole at full speed while another
+    waits out a slice: per-pass times are bimodal and their median lands on either mode (measured: tiny's
+    block, b=1, 4 one-thread processes on 2 cores: median 2.3 ms on two ranks and 6.0 ms on the other two,
+    mean 4.1-4.6 ms on all four; alone 1.8 ms). A training step is a long run of passes and pays the mean.
+    GPU: the median (CUDA events time the kernels, not the host's scheduling; a rare stall is noise)."""
+    return sum(xs) / len(xs) if device.type == "cpu" else median(xs)
 
 
 def median(xs: list[float]) -> float:
@@ -119,13 +130,13 @@ def measure_sample(spec: ModelSpec, kind: str, b: int, s: int, tp: int, dtype: s
     """One ComputeSample; for blocks also the backward time with each recompute mode. With `tp_mesh`
     (of size tp) the layer runs tensor-parallel across it and the times include its collectives."""
     fwds, bwds = time_passes(spec, kind, b, s, tp, dtype, device, cfg, tp_mesh=tp_mesh)
-    sample = ComputeSample(kind, b, s, tp, forward_s=median(fwds), backward_s=median(bwds),
+    sample = ComputeSample(kind, b, s, tp, forward_s=typical(fwds, device), backward_s=typical(bwds, device),
                            spread=spread([f + g for f, g in zip(fwds, bwds)]),
                            with_collectives=tp_mesh is not None)
     if kind == "block":
         for mode in recompute_modes:
             _, bwd_mode = time_passes(spec, kind, b, s, tp, dtype, device, cfg, recompute=mode, tp_mesh=tp_mesh)
-            setattr(sample, f"backward_{mode}_s", median(bwd_mode))
+            setattr(sample, f"backward_{mode}_s", typical(bwd_mode, device))
     return sample
 
 

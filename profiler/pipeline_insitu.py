@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from planner.model_spec import ModelSpec
 from planner.plan import SCHEDULES, stage_rank
-from profiler.compute import TimingConfig, median_time
+from profiler.compute import TimingConfig, typical, typical_time
 from profiler.layers import TORCH_DTYPES
 
 VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 2}  # as measured, per rank
@@ -55,9 +55,9 @@ def _schedule(name: str, modules: list[nn.Module], indices: list[int], num_stage
 
 def measure_pipeline_overheads(spec: ModelSpec, b: int, s: int, dtype: str, device: torch.device,
                                cfg: TimingConfig, m1: int = 2, m2: int = 8) -> dict[str, float]:
-    """Seconds per crossing stage boundary and micro-batch (>= 0) of every schedule, the median over the
-    pairs. Every rank of the default group calls this together (an even number of ranks: consecutive
-    pairs are the pipelines)."""
+    """Seconds per crossing stage boundary and micro-batch (>= 0) of every schedule, typical over the pairs
+    (profiler.compute.typical). Every rank of the default group calls this together (an even number of
+    ranks: consecutive pairs are the pipelines)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -79,11 +79,10 @@ def measure_pipeline_overheads(spec: ModelSpec, b: int, s: int, dtype: str, devi
             kwargs = {"target": x, "losses": []} if last else {}
             args = (x,) if first else ()
             dist.barrier()
-            steps[m] = median_time(lambda: schedule.step(*args, **kwargs), device, max(2, cfg.warmup // 2),
+            steps[m] = typical_time(lambda: schedule.step(*args, **kwargs), device, max(2, cfg.warmup // 2),
                                    cfg.repeats, between=lambda: [mod.zero_grad(set_to_none=True) for mod in modules])
         slope = torch.tensor([(steps[m2] - steps[m1]) / (m2 - m1) / crossings], dtype=torch.float64, device=device)
         gathered = [torch.zeros_like(slope) for _ in range(world)]
         dist.all_gather(gathered, slope)
-        slopes = sorted(float(g) for g in gathered)
-        out[name] = max(0.0, slopes[len(slopes) // 2])
+        out[name] = max(0.0, typical([float(g) for g in gathered], device))
     return out

@@ -130,7 +130,9 @@ class LinkFit:
 class ChainSample:
     """Forward + backward seconds of the model cut to embedding, `blocks` blocks and head + loss, run
     as one module (profiler/wrappers.py): layers in sequence run slower than the same layers timed
-    alone (caches, allocator), by a factor the planner applies to the per-layer fit."""
+    alone (caches, allocator), by a factor the planner applies to the per-layer fit. With tp > 1 the cut
+    runs tensor-parallel across a TP group as the executor runs it (layers in sequence there also wait
+    on each other's collectives)."""
 
     micro_batch_size: int
     seq_len: int
@@ -140,12 +142,14 @@ class ChainSample:
     # torch.distributed.pipelining's stage_backward_input / stage_backward_weight) adds to the backward of
     # the cut's blocks and head; 0: not measured
     split_extra_s: float = 0.0
+    tp: int = 1
 
     @classmethod
     def from_dict(cls, data: dict, path: str) -> "ChainSample":
         f = Fields(data, path)
         return cls(f.int("micro_batch_size", min=1), f.int("seq_len", min=1), f.int("blocks", min=1),
-                   f.float("seconds", min=0.0), f.float("split_extra_s", min=0.0, default=0.0))
+                   f.float("seconds", min=0.0), f.float("split_extra_s", min=0.0, default=0.0),
+                   f.int("tp", min=1, default=1))
 
 
 ENGINES = ("replicate", "fully_shard", "fully_shard_reshard")  # executor.parallelize.apply_dp at ZeRO 0, 1-2, 3
@@ -209,9 +213,9 @@ class Profile:
 
     def layer_time(self, kind: str, b: int, s: int, tp: int) -> tuple[float, float]:
         """(forward, backward) seconds of one layer for one micro-batch on one TP rank: the fit of the
-        samples, times the measured `chain_factor` (tp = 1: the chain runs without tensor parallelism)."""
+        samples, times the measured `chain_factor` at this TP degree (1 where no chain ran at it)."""
         fwd, bwd = self._fitted_time(kind, b, s, tp)
-        k = self.chain_factor(b) if tp == 1 else 1.0
+        k = self.chain_factor(b, tp)
         return fwd * k, bwd * k
 
     def _fitted_time(self, kind: str, b: int, s: int, tp: int) -> tuple[float, float]:
@@ -220,13 +224,15 @@ class Profile:
         bwd = self._fit(kind, tp, "backward_s")
         return fwd[0] + fwd[1] * work, bwd[0] + bwd[1] * work
 
-    def chain_factor(self, b: int) -> float:
-        """Measured time of the cut model run as one module over the sum of its layers' fitted times,
-        interpolated over log2(micro-batch size) between measured sizes (clamped outside); 1 without
-        chain samples."""
+    def chain_factor(self, b: int, tp: int = 1) -> float:
+        """Measured time of the cut model run as one module over the sum of its layers' fitted times, at
+        TP degree `tp`, interpolated over log2(micro-batch size) between measured sizes (clamped
+        outside); 1 without chain samples at that degree."""
         points = []
         for c in self.chains:
-            alone = sum(sum(self._fitted_time(k, c.micro_batch_size, c.seq_len, 1)) for k in _cut_kinds(c))
+            if c.tp != tp:
+                continue
+            alone = sum(sum(self._fitted_time(k, c.micro_batch_size, c.seq_len, tp)) for k in _cut_kinds(c))
             if alone > 0 and c.seconds > 0:
                 points.append((c.micro_batch_size, c.seconds / alone))
         return _interpolate(points, b)
@@ -237,7 +243,7 @@ class Profile:
         interpolated over log2(micro-batch size) like `chain_factor`; 1 when not measured."""
         points = []
         for c in self.chains:
-            if c.split_extra_s > 0:
+            if c.split_extra_s > 0 and c.tp == 1:
                 b_ = c.micro_batch_size
                 bwd = sum(self._fitted_time(k, b_, c.seq_len, 1)[1] for k in _cut_kinds(c)[1:])
                 if bwd > 0:

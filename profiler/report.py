@@ -85,10 +85,11 @@ def print_profile(profile: Profile, console: Console | None = None) -> None:
         console.print(f"pipeline schedules in situ, ms per crossing stage boundary and micro-batch "
                       f"(torch.distributed.pipelining, P2P included): {per}")
     if profile.chains:
-        factors = ", ".join(f"b={c.micro_batch_size}: x{profile.chain_factor(c.micro_batch_size):.2f}"
-                            for c in sorted(profile.chains, key=lambda c: c.micro_batch_size))
-        console.print(f"layers run as one model vs alone (applied to the t=1 fit): {factors}")
+        for tp in sorted({c.tp for c in profile.chains}):
+            factors = ", ".join(f"b={c.micro_batch_size}: x{profile.chain_factor(c.micro_batch_size, tp):.2f}"
+                                for c in sorted(profile.chains, key=lambda c: c.micro_batch_size) if c.tp == tp)
+            console.print(f"layers run as one model vs alone (applied to the t={tp} fit): {factors}")
         if any(c.split_extra_s for c in profile.chains):
             split = ", ".join(f"b={c.micro_batch_size}: x{profile.split_backward_factor(c.micro_batch_size):.2f}"
-                              for c in sorted(profile.chains, key=lambda c: c.micro_batch_size))
+                              for c in sorted(profile.chains, key=lambda c: c.micro_batch_size) if c.tp == 1)
             console.print(f"backward split into input- and weight-grad (zero-bubble) vs whole: {split}")

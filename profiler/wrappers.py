@@ -15,27 +15,31 @@ the slower rank): the profile keeps their in-situ cost relative to the link fit.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
 from executor.model import loss_fn
 from planner.model_spec import ModelSpec
-from profiler.compute import TimingConfig, median_time
+from profiler.compute import TimingConfig, typical_time
 from profiler.layers import TORCH_DTYPES
 from profiler.profile import ENGINES, ChainSample, WrapperSample
 
 ENGINE_ZERO = dict(zip(ENGINES, (0, 1, 3)))  # the ZeRO level each engine is measured at
 
 
-def _model(spec: ModelSpec, blocks: int, device: torch.device, dtype: str, mesh=None, zero: int = 0):
+def _model(spec: ModelSpec, blocks: int, device: torch.device, dtype: str, mesh=None, zero: int = 0,
+           tp_mesh=None):
     """The model cut to its embedding, first `blocks` blocks and head; wrapped as the executor wraps a
-    stage when `mesh` is given."""
+    stage when `mesh` is given; tensor-parallel over `tp_mesh` (sequence parallel, untied like the
+    per-layer TP samples) when that is given."""
     from executor.model import Transformer
-    from executor.parallelize import apply_dp, materialise
+    from executor.parallelize import apply_dp, apply_tp, materialise
     from planner.plan import ParallelConfig
 
     with torch.device("meta"):
-        model = Transformer(spec)
+        model = Transformer(replace(spec, tied_embeddings=False) if tp_mesh is not None else spec)
     for name in list(model.blocks.keys())[blocks:]:  # embedding, the first `blocks` blocks, head
         del model.blocks[name]
     if mesh is not None:
@@ -43,6 +47,8 @@ def _model(spec: ModelSpec, blocks: int, device: torch.device, dtype: str, mesh=
                              micro_batch_size=1, num_micro_batches=1, global_batch_size=mesh.size(), seq_len=1,
                              recompute="none", dtype=dtype)
         apply_dp(model, mesh, cfg)
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh, sequence_parallel=True)
     materialise(model, device, seed=0)
     if mesh is None:
         model = model.to(TORCH_DTYPES[dtype])
@@ -51,7 +57,7 @@ def _model(spec: ModelSpec, blocks: int, device: torch.device, dtype: str, mesh=
 
 def _pass_time(model, b: int, s: int, spec: ModelSpec, device: torch.device, cfg: TimingConfig,
                sync: bool | None = None, zero: int = 0) -> float:
-    """Median forward + backward seconds of a pass (a fixed count: wrapped ranks run them in lockstep).
+    """Typical forward + backward seconds of a pass (a fixed count: wrapped ranks run them in lockstep).
     sync=False: gradient-accumulation micro-batches as the executor runs them (nothing reduced; below
     ZeRO-3 parameters stay gathered); sync=True: every pass reduces its gradients (the last micro-batch)."""
     if sync is not None:
@@ -61,7 +67,7 @@ def _pass_time(model, b: int, s: int, spec: ModelSpec, device: torch.device, cfg
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, spec.vocab_size, (b, s), generator=gen).to(device)
     targets = torch.randint(0, spec.vocab_size, (b, s), generator=gen).to(device)
-    return median_time(lambda: loss_fn(model(tokens), targets).backward(), device, cfg.warmup, cfg.repeats)
+    return typical_time(lambda: loss_fn(model(tokens), targets).backward(), device, cfg.warmup, cfg.repeats)
 
 
 def _optimizer_time(model, device: torch.device, cfg: TimingConfig, foreach: bool | None = None) -> float:
@@ -71,7 +77,7 @@ def _optimizer_time(model, device: torch.device, cfg: TimingConfig, foreach: boo
     for p in params:
         p.grad = torch.zeros_like(p)
     opt = torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
-    return median_time(opt.step, device, cfg.warmup, cfg.repeats)
+    return typical_time(opt.step, device, cfg.warmup, cfg.repeats)
 
 
 def unit_params(spec: ModelSpec, blocks: int) -> list[int]:
@@ -138,15 +144,19 @@ def _split_extra(model, b: int, s: int, spec: ModelSpec, device: torch.device, c
         _, groups = stage_backward_input([loss], None, [x], iter(params))
         stage_backward_weight(iter(params), groups)
 
-    whole = median_time(lambda: body()[1].backward(), device, cfg.warmup, cfg.repeats)
-    return max(0.0, median_time(split, device, cfg.warmup, cfg.repeats) - whole)
+    whole = typical_time(lambda: body()[1].backward(), device, cfg.warmup, cfg.repeats)
+    return max(0.0, typical_time(split, device, cfg.warmup, cfg.repeats) - whole)
 
 
 def measure_chains(spec: ModelSpec, sizes: list[int], s: int, dtype: str, device: torch.device, cfg: TimingConfig,
-                   blocks: int = 2) -> list[ChainSample]:
+                   blocks: int = 2, tp_mesh=None) -> list[ChainSample]:
     """The cut model (embedding, `blocks` blocks, head + loss) run bare as one module, per micro-batch size,
-    and what splitting its backward adds."""
+    and what splitting its backward adds; with `tp_mesh` tensor-parallel across it (every rank of the
+    mesh calls this; the split backward is not measured there)."""
     blocks = max(1, min(blocks, spec.num_layers))
-    model = _model(spec, blocks, device, dtype)
+    model = _model(spec, blocks, device, dtype, tp_mesh=tp_mesh)
+    if tp_mesh is not None:
+        return [ChainSample(b, s, blocks, _pass_time(model, b, s, spec, device, cfg), tp=tp_mesh.size())
+                for b in sizes]
     return [ChainSample(b, s, blocks, _pass_time(model, b, s, spec, device, cfg),
                         _split_extra(model, b, s, spec, device, cfg)) for b in sizes]

@@ -5,7 +5,7 @@ import torch
 
 from planner.model_sources import builtin_model
 from planner.model_spec import ModelSpec
-from profiler.compute import TimingConfig, grid, measure_sample, median, quantile, spread, time_passes
+from profiler.compute import TimingConfig, grid, measure_sample, median, quantile, spread, time_passes, typical
 from profiler.layers import build_case, forward, shard_spec, tp_degrees
 
 CPU = torch.device("cpu")
@@ -76,3 +76,11 @@ def test_grid_and_statistics():
     assert median([3, 1, 2]) == 2 and median([1, 2, 3, 4]) == 2.5
     assert quantile([0, 10], 0.9) == pytest.approx(9)
     assert spread([1.0, 1.0, 1.0]) == 0
+
+
+def test_typical_pass_is_the_mean_on_cpu_and_the_median_on_gpu():
+    """Time-sliced CPU ranks: passes are bimodal (whole slices at full speed, others waiting one out); a long
+    run pays the mean, which the median misses by either mode."""
+    bimodal = [2.0, 2.0, 2.0, 6.0, 6.0]
+    assert typical(bimodal, CPU) == pytest.approx(3.6)
+    assert typical(bimodal, torch.device("cuda")) == 2.0

@@ -77,3 +77,28 @@ def test_gloo_collectives_on_two_processes(tmp_path):
     for f in fits.values():
         assert f.measured_group_size == 2
         assert f.alpha_s + f.beta_s_per_byte > 0
+
+
+def _mean_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    from profiler.measure import _mean_over_ranks
+    from profiler.profile import ChainSample, ComputeSample
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        k = rank + 1  # rank r measured everything (r + 1) times as long
+        compute = [ComputeSample("block", 1, 8, 1, 1.0 * k, 2.0 * k, backward_full_s=3.0 * k)]
+        chains = [ChainSample(1, 8, 2, 4.0 * k, 0.5 * k)]
+        compute, chains, opt = _mean_over_ranks(compute, chains, 1e-9 * k)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        c, ch = compute[0], chains[0]
+        with open(os.path.join(out_dir, "mean.txt"), "w") as fh:
+            fh.write(f"{c.forward_s} {c.backward_s} {c.backward_full_s} {ch.seconds} {ch.split_extra_s} {opt}")
+
+
+def test_cpu_ranks_keep_the_mean_of_what_each_measured(tmp_path):
+    mp.spawn(_mean_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    values = [float(v) for v in (tmp_path / "mean.txt").read_text().split()]
+    assert values == pytest.approx([1.5, 3.0, 4.5, 6.0, 0.75, 1.5e-9])
