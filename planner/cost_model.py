@@ -93,14 +93,16 @@ def pp_comm_time(profile, b: int, s: int, h: int, tp: int, dtype: str, sequence_
     return profile.collective_time("send_recv", nbytes, 2, link_class) * profile.correction("pp_comm")
 
 
-def pipeline_stage_time(profile, hop: float, crossings: int, schedule: str, unfused: float = 0.0) -> float:
+def pipeline_stage_time(profile, hop: float, crossings: int, schedule: str, unfused: float = 0.0,
+                        b: int | None = None) -> float:
     """Per stage and micro-batch: the pipeline's cost for a stage with `crossings` neighbours on other
     ranks. Measured in situ per schedule and crossing (torch.distributed.pipelining's bookkeeping, P2P
     and waits; zero-bubble's extra actions), else the link fit's `hop` per neighbour. 1F1B's figure is
-    its steady state; the `unfused` share of its micro-batches pays GPipe's (see `unfused_share`)."""
-    overhead = profile.pipeline_overhead(schedule)
+    its steady state; the `unfused` share of its micro-batches pays GPipe's (see `unfused_share`). `b`:
+    the micro-batch size, whose message the P2P carries."""
+    overhead = profile.pipeline_overhead(schedule, b)
     if schedule == "1f1b" and unfused > 0:
-        overhead = (1 - unfused) * overhead + unfused * profile.pipeline_overhead("gpipe")
+        overhead = (1 - unfused) * overhead + unfused * profile.pipeline_overhead("gpipe", b)
     if overhead > 0:
         return overhead * profile.correction("pp_comm") * crossings
     return hop * crossings
@@ -515,7 +517,7 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
     hop = terms.hop(b, tp, links.pp) if pp > 1 else 0.0
     root = root_hook_time(profile, dp, zero)
     boundary = [root + pipeline_stage_time(profile, hop, crossings(rank, k), cand.schedule,
-                                           unfused_share(cand.schedule, pp, cand.m, rank[k])) for k in range(S)]
+                                           unfused_share(cand.schedule, pp, cand.m, rank[k]), b) for k in range(S)]
     inflight = [in_flight(cand.schedule, pp, v, cand.m, r) for r in range(pp)]
     fixed = [0.0] * pp
     pb, gb, ob = state_bytes_per_param(dtype, zero, dp)

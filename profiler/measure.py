@@ -33,6 +33,7 @@ from profiler.profile import (
     ComputeSample,
     LinkFit,
     MemorySample,
+    PipelineSample,
     Profile,
     StateSample,
     WrapperSample,
@@ -249,13 +250,14 @@ def _run_rank(cfg: MeasureConfig, rank: int, world: int, local_rank: int, local_
             dist.barrier()
             wrappers = measure_wrappers(cfg.model, min(cfg.micro_batch_sizes), max(cfg.seq_lens), cfg.dtype,
                                         device, cfg.timing)
-        pipeline: dict[str, float] = {}
-        if pipelines:
+        pipeline: list[PipelineSample] = []
+        if pipelines:  # the smallest and the largest micro-batch size: the P2P message grows with b
             if reporter is not None:
                 reporter.step("pipeline schedules in situ")
-            dist.barrier()
-            pipeline = measure_pipeline_overheads(cfg.model, min(cfg.micro_batch_sizes), max(cfg.seq_lens),
-                                                 cfg.dtype, device, cfg.timing)
+            for b in sorted({min(cfg.micro_batch_sizes), max(cfg.micro_batch_sizes)}):
+                dist.barrier()
+                pipeline.append(PipelineSample(b, measure_pipeline_overheads(
+                    cfg.model, b, max(cfg.seq_lens), cfg.dtype, device, cfg.timing)))
         timings = _link_phase(cfg, world, local_world, device, reporter) if world > 1 else {}
     finally:
         if reporter is not None:
@@ -271,7 +273,7 @@ def _run_rank(cfg: MeasureConfig, rank: int, world: int, local_rank: int, local_
             "threads_per_rank": torch.get_num_threads() if cfg.device_kind == "cpu" else 0,
             "cpu_cores": cpu_cores() if cfg.device_kind == "cpu" else 0,
             "links": {k: [asdict(t) for t in v] for k, v in timings.items()},
-            "wrappers": [asdict(w) for w in wrappers], "pipeline_overheads": pipeline}
+            "wrappers": [asdict(w) for w in wrappers], "pipeline_samples": [asdict(p) for p in pipeline]}
 
 
 def _free_port() -> int:
@@ -354,6 +356,7 @@ def measure_profile(cfg: MeasureConfig) -> Profile:
         links[name] = preset | measured.get(name, {})  # links this host does not have: the cluster's figures
     concurrent = cfg.nprocs if cfg.device_kind == "cpu" else 1
     t = cfg.timing
+    samples = [PipelineSample(p["micro_batch_size"], p["overheads"]) for p in result.get("pipeline_samples", [])]
     return Profile(
         model=cfg.model, dtype=cfg.dtype, source="measured", device_kind=cfg.device_kind,
         device_name=device_name(cfg.device_kind), torch_version=torch.__version__,
@@ -363,7 +366,7 @@ def measure_profile(cfg: MeasureConfig) -> Profile:
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         state=[StateSample(**x) for x in result["state"]],
         wrappers=[WrapperSample(**w) for w in result.get("wrappers", [])],
-        pipeline_overheads=result.get("pipeline_overheads", {}),
+        pipeline_overheads=samples[0].overheads if samples else {}, pipeline_samples=samples,
         chains=[ChainSample(**c) for c in result.get("chains", [])],
         threads_per_rank=result["threads_per_rank"], cpu_cores=result.get("cpu_cores", 0),
         settings={"warmup": t.warmup, "repeats": t.repeats, "max_repeats": t.max_repeats, "budget_s": t.budget_s,

@@ -127,6 +127,21 @@ class LinkFit:
 
 
 @dataclass
+class PipelineSample:
+    """Each schedule's in-situ cost per crossing stage boundary and micro-batch (profiler/pipeline_insitu.py)
+    at one micro-batch size: the P2P of b·s·h values grows with b (tiny, 4 CPU ranks: GPipe 1.3 ms at b=1,
+    2.2 ms at b=8)."""
+
+    micro_batch_size: int
+    overheads: dict[str, float]
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str) -> "PipelineSample":
+        f = Fields(data, path)
+        return cls(f.int("micro_batch_size", min=1), _overheads(f, "overheads"))
+
+
+@dataclass
 class ChainSample:
     """Forward + backward seconds of the model cut to embedding, `blocks` blocks and head + loss, run
     as one module (profiler/wrappers.py): layers in sequence run slower than the same layers timed
@@ -205,7 +220,8 @@ class Profile:
     wrappers: list[WrapperSample] = field(default_factory=list)  # data-parallel engines in situ (measured)
     # torch.distributed.pipelining's own cost per crossing stage boundary and micro-batch, by schedule,
     # P2P included (measured in situ; empty: not measured, the cost model uses the send/recv link fit)
-    pipeline_overheads: dict[str, float] = field(default_factory=dict)
+    pipeline_overheads: dict[str, float] = field(default_factory=dict)  # at the smallest micro-batch size
+    pipeline_samples: list[PipelineSample] = field(default_factory=list)  # per micro-batch size
     chains: list[ChainSample] = field(default_factory=list)  # whole-model cuts, see `chain_factor`
     schema_version: int = SCHEMA_VERSION
 
@@ -250,10 +266,15 @@ class Profile:
                     points.append((b_, 1.0 + c.split_extra_s / (bwd * self.chain_factor(b_))))
         return _interpolate(points, b)
 
-    def pipeline_overhead(self, schedule: str) -> float:
-        """Seconds per crossing stage boundary and micro-batch of `schedule`, measured in situ; 0 when not
+    def pipeline_overhead(self, schedule: str, b: int | None = None) -> float:
+        """Seconds per crossing stage boundary and micro-batch of `schedule`, measured in situ; with `b`
+        interpolated over log2(micro-batch size) between the measured sizes (clamped outside); 0 when not
         measured (a schedule missing from an older profile takes 1F1B's figure)."""
-        return self.pipeline_overheads.get(schedule, self.pipeline_overheads.get("1f1b", 0.0))
+        name = schedule if schedule in self.pipeline_overheads else "1f1b"
+        points = [(p.micro_batch_size, p.overheads[name]) for p in self.pipeline_samples if name in p.overheads]
+        if b is not None and points:
+            return _interpolate(points, b)
+        return self.pipeline_overheads.get(name, 0.0)
 
     def tp_collectives_measured(self, kind: str, tp: int) -> bool:
         """Whether `layer_time(kind, ·, ·, tp)` already includes the TP collectives (timed across ranks)."""
@@ -372,7 +393,9 @@ class Profile:
             settings=f.number_map("settings", default={}),
             wrappers=[WrapperSample.from_dict(w, f"{path}.wrappers[{i}]")
                       for i, w in enumerate(f.list("wrappers", default=[]))],
-            pipeline_overheads=_overheads(f),
+            pipeline_overheads=_overheads(f, "pipeline_overheads"),
+            pipeline_samples=[PipelineSample.from_dict(p, f"{path}.pipeline_samples[{i}]")
+                              for i, p in enumerate(f.list("pipeline_samples", default=[]))],
             chains=[ChainSample.from_dict(c, f"{path}.chains[{i}]")
                     for i, c in enumerate(f.list("chains", default=[]))],
         )
@@ -396,8 +419,8 @@ def _interpolate(points: list[tuple[int, float]], b: int) -> float:
     return pts[-1][1]
 
 
-def _overheads(f: Fields) -> dict[str, float]:
-    sub = f.obj("pipeline_overheads", default={})
+def _overheads(f: Fields, key: str) -> dict[str, float]:
+    sub = f.obj(key, default={})
     for name in sub.data:
         if name not in SCHEDULES:
             raise InputError(f"{sub.path}.{name}: expected one of {', '.join(SCHEDULES)}")

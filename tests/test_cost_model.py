@@ -197,6 +197,29 @@ def test_pipeline_overhead_measured_in_situ_per_schedule_replaces_the_hop():
     assert crossings([0, 1, 0, 1], 1) == 2 and crossings([0, 1, 1, 0], 1) == 1
 
 
+def test_pipeline_overhead_follows_the_micro_batch_size_between_measured_sizes():
+    """The P2P inside the in-situ figure carries b·s·h values: measured at the smallest and largest
+    micro-batch size, interpolated over log2(b) between them and clamped outside."""
+    from profiler.profile import PipelineSample
+
+    model = builtin_model("tiny")
+    profile = preset_profile(model, parse_cluster("2xcpu"))
+    profile.pipeline_overheads = {"gpipe": 0.001, "1f1b": 0.001}
+    profile.pipeline_samples = [PipelineSample(1, {"gpipe": 0.001, "1f1b": 0.001}),
+                                PipelineSample(16, {"gpipe": 0.005, "1f1b": 0.003})]
+    assert profile.pipeline_overhead("gpipe") == 0.001  # no size: the smallest, as older profiles hold
+    assert profile.pipeline_overhead("gpipe", 4) == pytest.approx(0.003)  # halfway in log2(b)
+    assert profile.pipeline_overhead("gpipe", 64) == pytest.approx(0.005)
+    assert profile.pipeline_overhead("zero-bubble", 16) == pytest.approx(0.003)  # unmeasured: 1F1B's
+    links = Links("intra_node", "intra_node", "intra_node")
+    boundary = {}
+    for b in (1, 16):
+        cand = Candidate(dp=1, tp=1, pp=2, v=1, schedule="gpipe", b=b, m=2, zero=0, recompute="none")
+        P = build_problem(model, profile, cand, 64, profile.dtype, links, math.inf, [True] * len(model.layers))
+        boundary[b] = P.boundary
+    assert boundary[1] == [pytest.approx(0.001)] * 2 and boundary[16] == [pytest.approx(0.005)] * 2
+
+
 def test_one_f_one_b_pays_gpipe_overhead_outside_its_steady_state():
     model = builtin_model("tiny")
     profile = preset_profile(model, parse_cluster("2xcpu"))

@@ -61,6 +61,8 @@ def test_profile_two_cpu_ranks_then_cached(tmp_path, capsys):
     assert {w.engine for w in p.wrappers} == {"replicate", "fully_shard", "fully_shard_reshard"}
     assert all(w.ranks == 2 and w.unit_params and w.optimizer_ratio > 0 for w in p.wrappers)
     assert set(p.pipeline_overheads) == {"gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"}
+    assert [s.micro_batch_size for s in p.pipeline_samples] == [1, 2]  # the smallest and largest b
+    assert p.pipeline_samples[0].overheads == p.pipeline_overheads and "in situ at b=2" in r.stdout
     assert all(v >= 0 for v in p.pipeline_overheads.values()) and "pipeline schedules in situ" in r.stderr
     # the cut model as one module, bare and tensor-parallel across both ranks
     assert sorted((c.tp, c.micro_batch_size) for c in p.chains) == [(1, 1), (1, 2), (2, 1), (2, 2)]
@@ -185,12 +187,13 @@ def test_cached_profile_used_only_when_it_covers_the_request():
     from types import SimpleNamespace
 
     from profiler.cli import covers
-    from profiler.profile import ChainSample, ComputeSample
+    from profiler.profile import ChainSample, ComputeSample, PipelineSample
 
     sample = [ComputeSample("block", b, 64, t, 1.0, 2.0) for b in (1, 2) for t in (1, 2)]
     chain = [ChainSample(1, 64, 2, 0.1, split_extra_s=0.01)]
     pipes = {k: 0.001 for k in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")}
-    profile = SimpleNamespace(compute=sample, wrappers=["engine sample"], chains=chain, pipeline_overheads=pipes)
+    profile = SimpleNamespace(compute=sample, wrappers=["engine sample"], chains=chain, pipeline_overheads=pipes,
+                              pipeline_samples=[PipelineSample(1, pipes), PipelineSample(2, pipes)])
     cfg = SimpleNamespace(micro_batch_sizes=[1, 2], seq_lens=[64], tps=[1, 2], nprocs=2)
     assert covers(profile, cfg)
     assert not covers(profile, SimpleNamespace(**{**vars(cfg), "micro_batch_sizes": [1, 2, 4]}))
@@ -198,6 +201,8 @@ def test_cached_profile_used_only_when_it_covers_the_request():
     assert not covers(before_in_situ, cfg)
     one_schedule = SimpleNamespace(**{**vars(profile), "pipeline_overheads": {"1f1b": 0.001}})
     assert not covers(one_schedule, cfg)  # measured before the per-schedule pipeline phase
+    small_only = SimpleNamespace(**{**vars(profile), "pipeline_samples": [PipelineSample(1, pipes)]})
+    assert not covers(small_only, cfg)  # the pipeline was measured at b=1 only: b=2's messages are larger
     no_split = SimpleNamespace(**{**vars(profile), "chains": [ChainSample(1, 64, 2, 0.1)]})
     assert not covers(no_split, cfg)
     one = SimpleNamespace(**{**vars(cfg), "nprocs": 1})
