@@ -116,7 +116,7 @@ def covers(profile, cfg) -> bool:
     engines, pipelines = in_situ_phases(cfg.nprocs)
     in_situ = not engines or bool(profile.wrappers)
     pipelines = not pipelines or (set(SCHEDULES) <= set(profile.pipeline_overheads) and max(cfg.micro_batch_sizes)
-                                  in {p.micro_batch_size for p in getattr(profile, "pipeline_samples", [])})
+                                  in {p.micro_batch_size for p in profile.pipeline_samples})
     bare = [c for c in profile.chains if c.tp == 1]
     split = bool(bare) and all(c.split_extra_s > 0 for c in bare)
     joint = {c.tp for c in profile.compute if c.with_collectives}  # TP degrees run across ranks: chained too

@@ -215,10 +215,9 @@ def in_situ_phases(world: int) -> tuple[bool, bool]:
 
 def _steps(cfg: MeasureConfig, world: int, local_world: int) -> int:
     links = (local_world >= 2) + (world // local_world >= 2)
-    embedding_tps = bool(joint_tps(cfg, world, local_world))
+    joint = joint_tps(cfg, world, local_world)  # TP degrees timed across ranks: each also runs the chain
     in_situ = sum(in_situ_phases(world))
-    tp_chains = len(joint_tps(cfg, world, local_world))
-    return len(grid(cfg.micro_batch_sizes, cfg.seq_lens, cfg.tps, embedding_tps)) + 3 + tp_chains + in_situ + \
+    return len(grid(cfg.micro_batch_sizes, cfg.seq_lens, cfg.tps, bool(joint))) + 3 + len(joint) + in_situ + \
         links * len(LINK_OPS) * len(message_sizes(cfg.min_message_bytes, cfg.max_message_bytes))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from profiler.profile import PipelineSample, Profile
+from profiler.profile import Profile
 
 
 def _act(profile: Profile, kind: str, b: int, s: int, tp: int, mode: str) -> str:
@@ -80,11 +80,11 @@ def print_profile(profile: Profile, console: Console | None = None) -> None:
             et.add_row(w.engine, {0: "0", 1: "1-2", 3: "3"}[zero], f"{w.hook_s * 1e3:.2f}", f"{w.sync_s * 1e3:.2f}",
                        f"{k:.1f}" if k is not None else "-", f"{w.optimizer_ratio:.1f}")
         console.print(et)
-    samples = profile.pipeline_samples or ([PipelineSample(0, profile.pipeline_overheads)]
-                                           if profile.pipeline_overheads else [])
-    for sample in samples:
-        per = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sample.overheads.items())
-        at = f" at b={sample.micro_batch_size}" if sample.micro_batch_size else ""
+    # older profiles hold one figure per schedule, at a size they did not record
+    samples = [(f" at b={p.micro_batch_size}", p.overheads) for p in profile.pipeline_samples] or \
+        ([("", profile.pipeline_overheads)] if profile.pipeline_overheads else [])
+    for at, overheads in samples:
+        per = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in overheads.items())
         console.print(f"pipeline schedules in situ{at}, ms per crossing stage boundary and micro-batch "
                       f"(torch.distributed.pipelining, P2P included): {per}")
     if profile.chains:

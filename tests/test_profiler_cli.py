@@ -221,6 +221,12 @@ def test_cached_profile_used_only_when_it_covers_the_request():
     ("pipeline_overheads", {"zb": 0.001}, "profile.pipeline_overheads.zb"),
     ("chains", [{"micro_batch_size": 1, "seq_len": 8, "blocks": 2, "seconds": 0.1, "split_extra_s": -1}],
      "profile.chains[0].split_extra_s"),
+    ("chains", [{"micro_batch_size": 1, "seq_len": 8, "blocks": 2, "seconds": 0.1, "tp": 0}],
+     "profile.chains[0].tp"),
+    ("pipeline_samples", [{"micro_batch_size": 0, "overheads": {"1f1b": 0.001}}],
+     "profile.pipeline_samples[0].micro_batch_size"),
+    ("pipeline_samples", [{"micro_batch_size": 4, "overheads": {"zb": 0.001}}],
+     "profile.pipeline_samples[0].overheads.zb"),
 ])
 def test_bad_in_situ_fields_are_one_line_errors(tmp_path, capsys, measured_1cpu, field, value, message):
     path = tmp_path / "p.json"
