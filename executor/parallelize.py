@@ -136,10 +136,26 @@ def param_name(name: str) -> str:
     return name.replace(WRAPPED, "")
 
 
+def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The (module, attribute) places of every parameter held by more than one module (a tied LM head)."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, p in module._parameters.items():
+            if p is not None:
+                places.setdefault(id(p), []).append((module, attr))
+    return [group for group in places.values() if len(group) > 1]
+
+
 @torch.no_grad()
 def materialise(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate this rank's shards and copy in the slices of each parameter's full initial value."""
+    """Allocate this rank's shards and copy in the slices of each parameter's full initial value.
+    `to_empty` gives every module its own new plain tensor (a meta tensor cannot be moved in place), so a
+    tied weight would come back as two parameters: the shared places are pointed at one again."""
+    shared = _shared_parameters(model)
     model.to_empty(device=device)
+    for (owner, attr), *others in shared:
+        for module, name in others:
+            setattr(module, name, getattr(owner, attr))
     spec = model.spec
     for name, p in model.named_parameters():
         full = init_value(param_name(name), p.shape, spec, seed)

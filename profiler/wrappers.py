@@ -82,10 +82,10 @@ def _optimizer_time(model, device: torch.device, cfg: TimingConfig, foreach: boo
 
 def unit_params(spec: ModelSpec, blocks: int) -> list[int]:
     """Parameters of each unit the executor wraps in the cut model: every block, then the root
-    (embedding and head; a tied head shares the embedding's)."""
+    (embedding and head; a tied head's weight is the embedding's, which LayerSpec.params of the head
+    already leaves out)."""
     by_kind = {layer.kind: layer.params for layer in spec.layers}
-    tied = sum(layer.tied_params for layer in spec.layers if layer.kind == "head")
-    return [by_kind["block"]] * blocks + [by_kind["embedding"] + by_kind["head"] - tied]
+    return [by_kind["block"]] * blocks + [by_kind["embedding"] + by_kind["head"]]
 
 
 def measure_wrappers(spec: ModelSpec, b: int, s: int, dtype: str, device: torch.device, cfg: TimingConfig,

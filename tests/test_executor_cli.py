@@ -4,6 +4,7 @@
 import json
 import os
 import subprocess
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -105,6 +106,19 @@ def test_metrics_jsonl_and_console(tmp_path, run_executor):
     want = reference_losses(str(path), 3, 1)
     assert [ln["loss"] for ln in lines[:-1]] == pytest.approx(want, rel=1e-4)
     assert "step     3 | loss" in proc.stdout and "predicted 0.0100 s/iter" in proc.stdout
+
+
+def test_tied_head_is_one_parameter(tmp_path, run_executor):
+    """Materialising from the meta device must keep the LM head tied to the embedding (to_empty alone
+    gives each its own copy, which then trains apart from the reference)."""
+    path, metrics = tmp_path / "plan.json", tmp_path / "m.jsonl"
+    plan = make_plan(cluster="1xcpu", micro_batch_size=2, num_micro_batches=2)
+    plan.model = replace(plan.model, name="tiny-tied", tied_embeddings=True, layers=())
+    save_plan(plan, str(path))
+    proc = run_executor(str(path), "--steps", "4", "--seed", "3", "--metrics", str(metrics))
+    assert proc.returncode == 0, proc.stderr
+    got = [json.loads(ln)["loss"] for ln in metrics.read_text().splitlines()[:-1]]
+    assert got == pytest.approx(reference_losses(str(path), 4, 3), rel=2e-5)
 
 
 def test_token_file(tmp_path, run_executor):

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -187,15 +188,20 @@ def test_cached_profile_used_only_when_it_covers_the_request():
     from types import SimpleNamespace
 
     from profiler.cli import covers
-    from profiler.profile import ChainSample, ComputeSample, PipelineSample
+    from profiler.profile import ChainSample, ComputeSample, PipelineSample, WrapperSample
+    from profiler.wrappers import unit_params
 
+    model = replace(builtin_model("tiny"), tied_embeddings=True, layers=())
+    engine = WrapperSample("replicate", 2, 1, 64, unit_params(model, 2), 0.001, 0.01, 1.0)
     sample = [ComputeSample("block", b, 64, t, 1.0, 2.0) for b in (1, 2) for t in (1, 2)]
     chain = [ChainSample(1, 64, 2, 0.1, split_extra_s=0.01)]
     pipes = {k: 0.001 for k in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")}
-    profile = SimpleNamespace(compute=sample, wrappers=["engine sample"], chains=chain, pipeline_overheads=pipes,
+    profile = SimpleNamespace(compute=sample, wrappers=[engine], chains=chain, pipeline_overheads=pipes,
                               pipeline_samples=[PipelineSample(1, pipes), PipelineSample(2, pipes)])
-    cfg = SimpleNamespace(micro_batch_sizes=[1, 2], seq_lens=[64], tps=[1, 2], nprocs=2)
+    cfg = SimpleNamespace(model=model, micro_batch_sizes=[1, 2], seq_lens=[64], tps=[1, 2], nprocs=2)
     assert covers(profile, cfg)
+    wrong_root = replace(engine, unit_params=engine.unit_params[:-1] + [engine.unit_params[-1] - 16384])
+    assert not covers(SimpleNamespace(**{**vars(profile), "wrappers": [wrong_root]}), cfg)  # tied head subtracted
     assert not covers(profile, SimpleNamespace(**{**vars(cfg), "micro_batch_sizes": [1, 2, 4]}))
     before_in_situ = SimpleNamespace(compute=sample, wrappers=[], chains=chain, pipeline_overheads={})
     assert not covers(before_in_situ, cfg)

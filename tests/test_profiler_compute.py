@@ -84,3 +84,18 @@ def test_typical_pass_is_the_mean_on_cpu_and_the_median_on_gpu():
     bimodal = [2.0, 2.0, 2.0, 6.0, 6.0]
     assert typical(bimodal, CPU) == pytest.approx(3.6)
     assert typical(bimodal, torch.device("cuda")) == 2.0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_wrapped_units_count_the_cut_models_parameters(tied):
+    """The in-situ DP factor divides the measured reduction by the link time of these units: they must be
+    the parameters the cut model really has (a tied head's weight is the embedding's, counted once)."""
+    from dataclasses import replace
+
+    from profiler.wrappers import _model, unit_params
+
+    spec = replace(builtin_model("tiny"), tied_embeddings=tied, layers=())
+    model = _model(spec, 2, torch.device("cpu"), "fp32")
+    blocks = [sum(p.numel() for p in block.parameters()) for block in model.blocks.values()]
+    root = sum(p.numel() for p in model.parameters()) - sum(blocks)
+    assert unit_params(spec, 2) == blocks + [root]
