@@ -522,7 +522,7 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
     fixed = [0.0] * pp
     pb, gb, ob = state_bytes_per_param(dtype, zero, dp)
     tied = sum(layer.tied_params for layer in model.layers if layer.kind == "head")
-    if tied and rank[-1] != rank[0]:
+    if tied and S > 1:  # the last stage's module keeps its own copy, also when a V puts it on rank 0
         fixed[rank[-1]] += tied / tp * (pb + gb + ob)
     if zero >= 3 and dp > 1:
         workspace = 2.0 * max(layer.params for layer in model.layers) / tp * DTYPE_BYTES[dtype]

@@ -182,7 +182,7 @@ class Search:
         recompute = "none" if cand.recompute == "none" else ("all" if cand.recompute_pinned else "free")
         inflight = self._inflight(cand.schedule, pp, cand.v, cand.m)
         fixed = [0.0] * pp
-        if q.tied and rank[-1] != rank[0]:
+        if q.tied and S > 1:  # as build_problem: the last stage's own copy of a tied head
             fixed[rank[-1]] += q.tied / tp * agg["bytes_per_param"]
         if cand.zero >= 3 and cand.dp > 1:
             fixed = [x + agg["workspace"] for x in fixed]
