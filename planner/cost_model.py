@@ -244,10 +244,79 @@ def in_flight(schedule: str, pp: int, v: int, m: int, rank: int) -> float:
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
-def state_bytes_per_param(dtype: str, zero: int, dp: int) -> tuple[float, float, float]:
-    """(parameter, gradient, optimizer) bytes per parameter on one device under ZeRO level `zero`."""
+def state_bytes_per_param(dtype: str, zero: int, dp: int, accumulating: bool = False) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer) bytes per parameter on one device under ZeRO level `zero`, at the
+    activation peak of a step as the executor runs it. FSDP2 (ZeRO ≥ 1, dp > 1) keeps each parameter's
+    fp32 shard, and below ZeRO-3 also the gathered parameter for the whole step; with mixed precision
+    the shard is the master copy already in the 12 optimizer bytes, in fp32 it adds p/dp. Micro-batches
+    that skip the reduction keep unsharded gradients (executor/train.py), so with gradient accumulation
+    (`accumulating`, m > 1) ZeRO-2/3 hold full gradients too (torch FSDPParamGroup.post_backward)."""
     p, g, o = STATE_BYTES[dtype]
-    return (p / dp if zero >= 3 else p), (g / dp if zero >= 2 else g), (o / dp if zero >= 1 else o)
+    if dp <= 1 or zero == 0:
+        return p, g, o
+    shard = p / dp if dtype == "fp32" else 0.0
+    params = p / dp if zero >= 3 else p + shard
+    return params, (g / dp if zero >= 2 and not accumulating else g), o / dp
+
+
+@dataclass
+class Workspace:
+    """Transient bytes on top of the state and the activations, in the three moments of a step that
+    can set a rank's peak (measured with the executor's CPU memory tracking: tied gpt-20m, one process,
+    b1x4 386.1 MiB = state 314 + 72 at the embedding's backward):
+    `act[r]`: at the last stage's first backward, with every in-flight micro-batch's activations alive:
+    the loss backward (gradient of the log-softmax output and of the logits, b·s·V fp32 each: loss_fn
+    upcasts, and the vocab-parallel head still replicates its logits), or the logits' gradient plus a
+    new LM-head weight gradient waiting to be accumulated.
+    `emb[r]`: at the first stage's embedding backward, one micro-batch's activations already freed: the
+    dense embedding gradient, which a tied head in the same module sums out of place with the head's
+    (3 V·h tensors), or adds into the accumulated gradient (1; m = 1 untied: it is the gradient).
+    `opt[r]` + Σ `per_layer` of the rank: AdamW's step, activations freed. torch's default on CUDA is
+    foreach, which materialises sqrt(v) for the whole parameter group (4 B per local parameter); on CPU
+    the single-tensor loop holds sqrt(v) and its quotient for one tensor at a time (2× the largest)."""
+
+    act: list[float]
+    emb: list[float]
+    opt: list[float]
+    per_layer: list[float]
+
+
+def step_transients(model: ModelSpec, device_kind: str, cand: Candidate, s: int, dtype: str,
+                    rank: list[int]) -> Workspace:
+    """The Workspace of `cand` with stage k on pipeline rank rank[k] (executor/train.py's step)."""
+    tp, pp, S = cand.tp, cand.pp, cand.num_stages
+    local = tp * (cand.dp if cand.zero >= 1 and cand.dp > 1 else 1)  # AdamW steps FSDP's shards
+    vocab_tp = tp if model.vocab_size % tp == 0 else 1  # executor.parallelize.vocab_parallel
+    table = model.vocab_size * model.hidden_size / vocab_tp  # embedding / LM-head weight elements
+    grad = STATE_BYTES[dtype][1]
+    tied_one = model.tied_embeddings and S == 1
+    accumulating = cand.m > 1
+    act, emb, opt = [0.0] * pp, [0.0] * pp, [0.0] * pp
+    logits = cand.b * s * model.vocab_size * 4.0
+    act[rank[-1]] += max(2.0 * logits, logits + (table * grad if accumulating or tied_one else 0.0))
+    emb[rank[0]] += table * grad * (3 if tied_one else 1 if accumulating else 0)
+    per_layer = [0.0] * len(model.layers)
+    if device_kind == "cpu":
+        block = model.hidden_size * model.ffn_hidden_size / tp
+        for r in range(pp):
+            largest = max(block, table if r in (rank[0], rank[-1]) else 0.0)
+            opt[r] = 2.0 * 4.0 * largest * tp / local
+    else:
+        per_layer = [4.0 * layer.params / local for layer in model.layers]
+        tied = sum(layer.tied_params for layer in model.layers if layer.kind == "head")
+        if tied and S > 1:
+            opt[rank[-1]] += 4.0 * tied / local
+    return Workspace(act, emb, opt, per_layer)
+
+
+def peak_memory(state: float, fixed: float, inflight: float, act: float, opt_layers: float, ws: Workspace,
+                r: int, grads_idle: float = 0.0) -> float:
+    """A rank's peak: state and fixed bytes plus the largest of the three transient moments (Workspace);
+    at the activation moment without the gradients not allocated yet (`grads_idle` share of the state:
+    m ≤ in-flight micro-batches, so no backward has finished; executor, tied gpt-20m b4x1 on one
+    process: 429 MiB measured, 436 predicted, 515 with the gradients)."""
+    return fixed + max(state * (1.0 - grads_idle) + inflight * act + ws.act[r],
+                       state + max(inflight - 1.0, 0.0) * act + ws.emb[r], state + opt_layers + ws.opt[r])
 
 
 def activation_bytes(profile, kind: str, b: int, s: int, tp: int, mode: str, sequence_parallel: bool) -> float:
@@ -301,6 +370,22 @@ class StageProblem:
     unhidden: float  # share of DP traffic that can never overlap (the last bucket; 1: measured exposed)
     recompute: str  # "free": 0..n per stage; "none"; "all"
     cuts: list[bool] = field(default_factory=list)  # cuts[l]: a stage may start at layer l (l ≥ 1)
+    ws: Workspace | None = None  # transient bytes (None: none, e.g. hand-built problems in tests)
+    grads_idle: list[float] = field(default_factory=list)  # per rank: share of `state` not yet allocated
+    # at the activation peak (gradients, when every micro-batch's forward runs before the first backward)
+
+    def __post_init__(self) -> None:
+        if self.ws is None:
+            zeros = [0.0] * self.pp
+            self.ws = Workspace(zeros, list(zeros), list(zeros), [0.0] * len(self.kinds))
+        if not self.grads_idle:
+            self.grads_idle = [0.0] * self.pp
+
+    @property
+    def state_kept(self) -> float:
+        """The least share of `state` a rank holds at every moment of its peak: memory bounds scale state by
+        it to stay below `peak_memory`."""
+        return 1.0 - max(self.grads_idle)
 
     @property
     def num_layers(self) -> int:
@@ -320,7 +405,8 @@ class StageProblem:
         blocks = range(1, len(kinds) - 1)
         return all(
             all(math.isclose(arr[i], arr[1], rel_tol=1e-12, abs_tol=0.0) for i in blocks)
-            for arr in (self.time, self.fwd, self.bwd, self.act, self.state, self.opt, self.dp, self.gather)
+            for arr in (self.time, self.fwd, self.bwd, self.act, self.state, self.opt, self.dp, self.gather,
+                        self.ws.per_layer)
         )
 
     def key(self) -> tuple:
@@ -328,7 +414,9 @@ class StageProblem:
         return (tuple(self.kinds), tuple(self.time), tuple(self.fwd), tuple(self.bwd), tuple(self.act),
                 tuple(self.state), tuple(self.opt), tuple(self.dp), tuple(self.gather), self.rec_time,
                 self.rec_saving, tuple(self.boundary), tuple(self.rank), tuple(self.inflight),
-                tuple(self.fixed), self.mem_limit, self.weight, self.unhidden, self.recompute, tuple(self.cuts))
+                tuple(self.fixed), self.mem_limit, self.weight, self.unhidden, self.recompute, tuple(self.cuts),
+                tuple(self.ws.act), tuple(self.ws.emb), tuple(self.ws.opt), tuple(self.ws.per_layer),
+                tuple(self.grads_idle))
 
 
 @dataclass
@@ -345,6 +433,7 @@ class StageResult:
     optimizer_state: float
     activations: float
     memory_total: float  # the rank's (all its stages)
+    workspace: float = 0.0  # the rank's peak above its state, fixed bytes and in-flight activations
 
 
 @dataclass
@@ -373,7 +462,8 @@ def evaluate(problem: StageProblem, bounds: list[int], recompute: list[int],
     micro-batch (all its stages, plus the sharded-DP traffic it cannot hide: max(gather − compute,
     unhidden · gather), prefetching across the rank's layers) and tail_rank = optimizer + exposed
     gradient sync, exposed = max(sync − one micro-batch of the rank's backward, unhidden · sync) (the
-    last bucket cannot overlap)."""
+    last bucket cannot overlap). A rank's memory is its state, fixed bytes and the largest transient
+    moment of `peak_memory`."""
     P = problem
     rows = []
     for s in range(P.num_stages):
@@ -384,7 +474,8 @@ def evaluate(problem: StageProblem, bounds: list[int], recompute: list[int],
             base=sum(P.time[i] for i in layers) + r * P.rec_time + P.boundary[s],
             gather=sum(P.gather[i] for i in layers), rec=r * P.rec_time,
             act=sum(P.act[i] for i in layers) - r * P.rec_saving, state=sum(P.state[i] for i in layers),
-            opt=sum(P.opt[i] for i in layers), dp=sum(P.dp[i] for i in layers)))
+            opt=sum(P.opt[i] for i in layers), dp=sum(P.dp[i] for i in layers),
+            opt_ws=sum(P.ws.per_layer[i] for i in layers)))
     ranks = rank_of_stages(P)
     tau, tails, mem, z3 = [], [], [], []
     for r, stages in enumerate(ranks):
@@ -395,7 +486,9 @@ def evaluate(problem: StageProblem, bounds: list[int], recompute: list[int],
         sync = sum(rows[s]["dp"] for s in stages)
         exposed = max(sync - sum(rows[s]["g"] for s in stages), P.unhidden * sync)
         tails.append((exposed, sum(rows[s]["opt"] for s in stages)))
-        mem.append(sum(rows[s]["state"] + P.inflight[r] * rows[s]["act"] for s in stages) + P.fixed[r])
+        mem.append(peak_memory(sum(rows[s]["state"] for s in stages), P.fixed[r], P.inflight[r],
+                               sum(rows[s]["act"] for s in stages), sum(rows[s]["opt_ws"] for s in stages), P.ws, r,
+                               P.grads_idle[r]))
     tau_max, tail = max(tau), max(e + o for e, o in tails)
     results = []
     p_frac, g_frac, o_frac = state_split
@@ -411,7 +504,9 @@ def evaluate(problem: StageProblem, bounds: list[int], recompute: list[int],
             communication=total - row["f"] - row["g"] - row["rec"], total=total,
             dp_sync=tails[r][0] / n_r, optimizer=tails[r][1] / n_r,
             parameters=row["state"] * p_frac + P.fixed[r] / n_r, gradients=row["state"] * g_frac,
-            optimizer_state=row["state"] * o_frac, activations=P.inflight[r] * row["act"], memory_total=mem[r]))
+            optimizer_state=row["state"] * o_frac, activations=P.inflight[r] * row["act"], memory_total=mem[r],
+            workspace=(mem[r] - P.fixed[r] - sum(rows[k]["state"] + P.inflight[r] * rows[k]["act"] for k in stages))
+            / n_r))
     iteration = P.weight * tau_max + tail
     return Evaluation(iteration, tau_max, tail, mem, max(mem) <= P.mem_limit * (1 + 1e-9), results)
 
@@ -469,10 +564,11 @@ class Terms:
         return self._get(("hop", b, tp, link),
                          lambda: pp_comm_time(self.profile, b, self.s, h, tp, self.dtype, tp > 1, link))
 
-    def per_layer(self, tp: int, dp: int, zero: int, link: str) -> tuple[list, list, list, list]:
+    def per_layer(self, tp: int, dp: int, zero: int, link: str, accumulating: bool = False
+                  ) -> tuple[list, list, list, list]:
         """(state bytes, optimizer s, per-iteration DP sync s, per-micro-batch sharded DP s) of every layer."""
         def make():
-            pb, gb, ob = state_bytes_per_param(self.dtype, zero, dp)
+            pb, gb, ob = state_bytes_per_param(self.dtype, zero, dp, accumulating)
             by_params: dict[tuple, tuple] = {}
             out: tuple[list, list, list, list] = ([], [], [], [])
             in_situ = dp > 1 and self.profile.wrapper(zero) is not None
@@ -489,7 +585,7 @@ class Terms:
                 for lst, value in zip(out, by_params[key]):
                     lst.append(value)
             return out
-        return self._get(("layer", tp, dp, zero, link), make)
+        return self._get(("layer", tp, dp, zero, link, accumulating), make)
 
 
 def crossings(rank: list[int], k: int) -> int:
@@ -510,7 +606,7 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
     bwd = [rows[k][1] for k in kinds]
     time = [rows[k][0] + rows[k][1] + rows[k][2] for k in kinds]
     act = [rows[k][3] for k in kinds]
-    state, opt, dps, gather = terms.per_layer(tp, dp, zero, links.dp)
+    state, opt, dps, gather = terms.per_layer(tp, dp, zero, links.dp, cand.m > 1)
     rec_time, rec_saving, rec_tp = terms.recompute(b, tp, cand.recompute)
     S = cand.num_stages
     rank = [stage_rank(k, pp, cand.schedule, v) for k in range(S)]
@@ -520,7 +616,7 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
                                            unfused_share(cand.schedule, pp, cand.m, rank[k]), b) for k in range(S)]
     inflight = [in_flight(cand.schedule, pp, v, cand.m, r) for r in range(pp)]
     fixed = [0.0] * pp
-    pb, gb, ob = state_bytes_per_param(dtype, zero, dp)
+    pb, gb, ob = state_bytes_per_param(dtype, zero, dp, cand.m > 1)
     tied = sum(layer.tied_params for layer in model.layers if layer.kind == "head")
     if tied and S > 1:  # the last stage's module keeps its own copy, also when a V puts it on rank 0
         fixed[rank[-1]] += tied / tp * (pb + gb + ob)
@@ -534,6 +630,8 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
         rec_time=rec_time, rec_saving=rec_saving, rec_tp=rec_tp, boundary=boundary, rank=rank, pp=pp,
         inflight=inflight, fixed=fixed, mem_limit=mem_limit, weight=cand.m + bubble, bubble=bubble, m=cand.m,
         unhidden=unhidden_share(profile, dp, zero, len(kinds), S), recompute=recompute, cuts=cuts,
+        ws=step_transients(model, profile.device_kind, cand, seq_len, dtype, rank),
+        grads_idle=[gb / (pb + gb + ob) if cand.m <= k else 0.0 for k in inflight],
     )
 
 
@@ -572,12 +670,13 @@ def min_recomputed_blocks(problem: StageProblem) -> float:
         return 0.0
     first, last = P.rank[0], P.rank[-1]
     left = [P.mem_limit - f for f in P.fixed]
+    kept = P.state_kept
     for i, k in enumerate(P.kinds):
         if k != "block":
             r = first if i < blocks[0] else last
-            left[r] -= P.state[i] + P.inflight[r] * P.act[i]
-    return least_recompute(left, P.inflight, min(P.state[i] for i in blocks), min(P.act[i] for i in blocks),
-                           P.rec_saving, len(blocks))
+            left[r] -= P.state[i] * kept + P.inflight[r] * P.act[i]
+    return least_recompute(left, P.inflight, min(P.state[i] for i in blocks) * kept,
+                           min(P.act[i] for i in blocks), P.rec_saving, len(blocks))
 
 
 def lower_bound(problem: StageProblem) -> float:
@@ -608,15 +707,16 @@ def memory_lower_bound(problem: StageProblem) -> float:
     first, last = P.rank[0], P.rank[-1]
     blocks = [i for i, k in enumerate(P.kinds) if k == "block"]
     first_block = blocks[0] if blocks else 1
+    kept = P.state_kept
     for i, k in enumerate(P.kinds):  # embedding on the first stage's rank, head on the last's
         if k != "block":
             r = first if i < first_block else last
-            left[r] -= P.state[i] + P.inflight[r] * P.act[i]
+            left[r] -= P.state[i] * kept + P.inflight[r] * P.act[i]
     if min(left) < 0:
         return 1.0 + max(-x for x in left) / P.mem_limit + 1.0
     if not blocks:
         return 0.0
-    per_block = min(P.state[i] for i in blocks)
+    per_block = min(P.state[i] for i in blocks) * kept
     act = min(P.act[i] for i in blocks) - saving
     capacity = sum(x / (per_block + P.inflight[r] * act) for r, x in enumerate(left))
     return len(blocks) / capacity if capacity > 0 else float("inf")

@@ -145,11 +145,15 @@ def _rank_rows(prob: pulp.LpProblem, P: StageProblem, rank_expr, min_memory: boo
         prob += tau >= time, f"tau_{r}"
         prob += tail >= pc["opt"] + pc["dp"] - pc["bwd"], f"tail_overlap_{r}"
         prob += tail >= pc["opt"] + P.unhidden * pc["dp"], f"tail_bucket_{r}"
-        mem = pc["state"] + P.inflight[r] * pc["act"] + P.fixed[r] / GiB
-        if min_memory:
-            prob += mem <= P.mem_limit / GiB + excess, f"mem_{r}"
-        elif math.isfinite(P.mem_limit):
-            prob += mem <= P.mem_limit / GiB, f"mem_{r}"
+        base = pc["state"] + P.fixed[r] / GiB  # cost_model.peak_memory: one row per transient moment
+        moments = {"act": P.inflight[r] * pc["act"] + P.ws.act[r] / GiB - P.grads_idle[r] * pc["state"],
+                   "emb": max(P.inflight[r] - 1.0, 0.0) * pc["act"] + P.ws.emb[r] / GiB,
+                   "opt": pc["opt_ws"] + P.ws.opt[r] / GiB}
+        for name, extra in moments.items():
+            if min_memory:
+                prob += base + extra <= P.mem_limit / GiB + excess, f"mem_{name}_{r}"
+            elif math.isfinite(P.mem_limit):
+                prob += base + extra <= P.mem_limit / GiB, f"mem_{name}_{r}"
     prob += excess if min_memory else P.weight * tau + tail
 
 
@@ -161,6 +165,7 @@ def _pieces(P: StageProblem, layer_sum, rec, boundary: float) -> dict:
         "gather": layer_sum([g * MS for g in P.gather]),
         "dp": layer_sum([d * MS for d in P.dp]), "opt": layer_sum([o * MS for o in P.opt]),
         "state": layer_sum([x / GiB for x in P.state]),
+        "opt_ws": layer_sum([x / GiB for x in P.ws.per_layer]),
         "act": layer_sum([a / GiB for a in P.act]) - (P.rec_saving / GiB) * rec,
     }
 
@@ -245,7 +250,8 @@ def solve_counts(P: StageProblem, solver: str | None = None, min_memory: bool = 
         low = sum(1 for s in stages if 0 < s < S - 1)
         n.append(pulp.LpVariable(f"n_{r}", lowBound=low, upBound=L, cat="Integer"))
         rec.append(_recompute_var(prob, P, f"r_{r}", n[r]))
-        signature.append((low, 0 in stages, S - 1 in stages, P.inflight[r], P.fixed[r],
+        signature.append((low, 0 in stages, S - 1 in stages, P.inflight[r], P.fixed[r], P.ws.act[r], P.ws.emb[r],
+                          P.ws.opt[r],
                           sum(P.boundary[s] for s in stages)))
     prob += pulp.lpSum(n) == L, "all_blocks"
     for r in range(1, P.pp):

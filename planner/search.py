@@ -170,7 +170,7 @@ class Search:
         gsum = sum(n * rows[k][1] for k, n in q.counts.items())
         tsum = sum(n * (rows[k][0] + rows[k][1] + rows[k][2]) for k, n in q.counts.items())
         tmax = max(rows[k][0] + rows[k][1] + rows[k][2] for k in q.counts)
-        agg = self._layer_sums(tp, cand.dp, cand.zero, links.dp)
+        agg = self._layer_sums(tp, cand.dp, cand.zero, links.dp, cand.m > 1)
         rank = self._ranks(pp, cand.schedule, cand.v)
         hop = self.terms.hop(b, tp, links.pp) if pp > 1 else 0.0
         pipe = sum(pipeline_stage_time(self.profile, hop, crossings(rank, k), cand.schedule,
@@ -187,9 +187,12 @@ class Search:
         if cand.zero >= 3 and cand.dp > 1:
             fixed = [x + agg["workspace"] for x in fixed]
         left = [self.mem_limit - f for f in fixed]
+        # as StageProblem.state_kept: gradients not yet allocated at the activation peak (m ≤ in flight)
+        kept = 1.0 - agg["grad_share"] if any(cand.m <= k for k in inflight) else 1.0
+        block_state = agg["block_state_min"] * kept
         for i, params_state, kind in agg["ends"]:
             r = rank[0] if i < q.first_block else rank[-1]
-            left[r] -= params_state + inflight[r] * rows[kind][3]
+            left[r] -= params_state * kept + inflight[r] * rows[kind][3]
         blocks = q.counts.get("block", 0)
         act_blk = rows["block"][3] if blocks else 0.0
         if min(left) < 0:
@@ -198,12 +201,12 @@ class Search:
             ratio = 0.0
         else:
             act_min = act_blk - (rec_saving if recompute != "none" else 0.0)
-            capacity = sum(x / (agg["block_state_min"] + inflight[r] * act_min) for r, x in enumerate(left))
+            capacity = sum(x / (block_state + inflight[r] * act_min) for r, x in enumerate(left))
             ratio = blocks / capacity if capacity > 0 else float("inf")
         if recompute == "all":
             work += rec_time * blocks
         elif recompute == "free" and rec_saving > 0 and blocks:
-            least = least_recompute(left, inflight, agg["block_state_min"], act_blk, rec_saving, blocks)
+            least = least_recompute(left, inflight, block_state, act_blk, rec_saving, blocks)
             work += rec_time * math.ceil(least - 1e-9)
         bubble = bubble_micro_batches(cand.schedule, pp, cand.v, zb_ratio(fsum, gsum))
         tau = max(work / pp, tmax)
@@ -220,19 +223,19 @@ class Search:
             (problem.act[i] - (saving if kind == "block" else 0.0)) * k for i, kind in enumerate(problem.kinds))
         return need / (problem.pp * self.mem_limit)
 
-    def _layer_sums(self, tp: int, dp: int, zero: int, link: str) -> dict:
-        key = ("sums", tp, dp, zero, link)
+    def _layer_sums(self, tp: int, dp: int, zero: int, link: str, accumulating: bool) -> dict:
+        key = ("sums", tp, dp, zero, link, accumulating)
         if key not in self.terms.memo:
-            state, opt, dps, gather = self.terms.per_layer(tp, dp, zero, link)
+            state, opt, dps, gather = self.terms.per_layer(tp, dp, zero, link, accumulating)
             kinds = self.quick.kinds
             blocks = [i for i, k in enumerate(kinds) if k == "block"]
-            pb, gb, ob = state_bytes_per_param(self.c.dtype, zero, dp)
+            pb, gb, ob = state_bytes_per_param(self.c.dtype, zero, dp, accumulating)
             self.terms.memo[key] = dict(
                 state=sum(state), opt=sum(opt), dp=sum(dps), gather=sum(gather),
                 block_state=sum(state[i] for i in blocks),
                 block_state_min=min((state[i] for i in blocks), default=0.0),
                 ends=[(i, state[i], k) for i, k in enumerate(kinds) if k != "block"],
-                bytes_per_param=pb + gb + ob,
+                bytes_per_param=pb + gb + ob, grad_share=gb / (pb + gb + ob),
                 workspace=2.0 * max(layer.params for layer in self.model.layers) / tp * DTYPE_BYTES[self.c.dtype])
         return self.terms.memo[key]
 
@@ -468,7 +471,7 @@ def _parallel(search: Search, scored: Scored) -> ParallelConfig:
 def to_plan(search: Search, results: list[Scored], stats: SearchStats) -> Plan:
     best = results[0]
     cand, sol = best.cand, best.solution
-    pb, gb, ob = state_bytes_per_param(search.c.dtype, cand.zero, cand.dp)
+    pb, gb, ob = state_bytes_per_param(search.c.dtype, cand.zero, cand.dp, cand.m > 1)
     total = pb + gb + ob
     ev = evaluate(best.problem, sol.bounds, sol.recompute, (pb / total, gb / total, ob / total))
     stages, m = [], cand.m
@@ -483,7 +486,7 @@ def to_plan(search: Search, results: list[Scored], stats: SearchStats) -> Plan:
                               "total": m * res.total, "dp_sync": res.dp_sync, "optimizer": res.optimizer},
             predicted_memory_bytes={"parameters": res.parameters, "gradients": res.gradients,
                                     "optimizer": res.optimizer_state, "activations": res.activations,
-                                    "total": res.memory_total}))
+                                    "workspace": res.workspace, "total": res.memory_total}))
     alternatives, seen = [], {_key(_parallel(search, best), best.cand.order)}
     for other in results[1:]:
         par = _parallel(search, other)

@@ -38,6 +38,17 @@ def test_adam_mixed_precision_is_16_bytes_per_param():
     assert state_bytes_per_param("bf16", 3, 8) == (2.0 / 8, 2.0 / 8, 12.0 / 8)
 
 
+def test_fsdp_state_as_the_executor_holds_it():
+    """FSDP2 keeps the fp32 shard next to the gathered parameter below ZeRO-3 (in mixed precision the
+    shard is the master copy, already counted), and unsharded gradients while micro-batches accumulate."""
+    assert state_bytes_per_param("fp32", 1, 2) == (4.0 + 2.0, 4.0, 4.0)
+    assert state_bytes_per_param("fp32", 2, 2) == (6.0, 2.0, 4.0)
+    assert state_bytes_per_param("fp32", 2, 2, accumulating=True) == (6.0, 4.0, 4.0)
+    assert state_bytes_per_param("fp32", 3, 2, accumulating=True) == (2.0, 4.0, 4.0)
+    assert state_bytes_per_param("bf16", 3, 8, accumulating=True) == (2.0 / 8, 2.0, 12.0 / 8)
+    assert state_bytes_per_param("fp32", 3, 1, accumulating=True) == (4.0, 4.0, 8.0)  # no data parallelism
+
+
 def test_1f1b_in_flight_per_stage():
     assert [in_flight("1f1b", 4, 1, 8, r) for r in range(4)] == [4, 3, 2, 1]
     assert [in_flight("1f1b", 4, 1, 2, r) for r in range(4)] == [2, 2, 2, 1]  # at most m
@@ -92,7 +103,8 @@ def test_recompute_reduces_activations_and_adds_time():
     rec = evaluate(P, bounds, [8, 0, 0, 0])
     full = profile.activation_bytes("block", 1, 2048, 1, "none", False)
     kept = profile.activation_bytes("block", 1, 2048, 1, "full", False)
-    assert base.rank_memory[0] - rec.rank_memory[0] == pytest.approx(4 * 8 * (full - kept))
+    assert base.stages[0].activations - rec.stages[0].activations == pytest.approx(4 * 8 * (full - kept))
+    assert base.rank_memory[0] > rec.rank_memory[0]
     fwd, _ = profile.layer_time("block", 1, 2048, 1)
     assert rec.stages[0].recompute == pytest.approx(8 * fwd)
     assert rec.iteration_time > base.iteration_time
@@ -270,3 +282,25 @@ def test_chain_factor_scales_tp1_layer_times_between_measured_sizes():
     assert profile.chain_factor(16) == pytest.approx(1.6)  # clamped
     assert profile.layer_time("block", 2, 64, 1) == pytest.approx((1.4 * 0.002, 1.4 * 0.004))
     assert profile.layer_time("block", 2, 64, 2) == pytest.approx((0.002, 0.004))  # TP: timed as is
+
+
+def test_step_transients_by_hand():
+    """Workspace of the three transient moments (cost_model.Workspace) on a tied model."""
+    from planner.cost_model import step_transients
+
+    model = builtin_model("gpt2")  # tied, V = 50257 (not divisible by 2: the vocabulary is not split)
+    V, h, s = model.vocab_size, model.hidden_size, 1024
+    table = V * h
+    one = Candidate(dp=1, tp=1, pp=1, v=1, schedule="1f1b", b=2, m=4, zero=0, recompute="none")
+    ws = step_transients(model, "cpu", one, s, "fp32", [0])
+    logits = 2 * s * V * 4.0
+    assert ws.act == [max(2 * logits, logits + 4.0 * table)]
+    assert ws.emb == [3 * 4.0 * table]  # head and embedding gradients, and their sum
+    assert ws.opt == [2 * 4.0 * table] and ws.per_layer == [0.0] * len(model.layers)  # CPU: 2x the largest
+    piped = Candidate(dp=2, tp=2, pp=2, v=1, schedule="1f1b", b=2, m=1, zero=1, recompute="none")
+    ws = step_transients(model, "cuda", piped, s, "bf16", [0, 1])
+    assert ws.act == [0.0, 2 * logits]  # m = 1: the head weight gradient is the gradient itself
+    assert ws.emb == [0.0, 0.0]  # a separate copy per stage, nothing accumulated
+    # CUDA foreach: sqrt(v) of every local parameter (fp32), ÷ tp ÷ dp (FSDP shards); the head's copy too
+    assert ws.per_layer == [4.0 * layer.params / 4 for layer in model.layers]
+    assert ws.opt == [0.0, 4.0 * table / 4]

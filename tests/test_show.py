@@ -176,7 +176,7 @@ def test_show_without_stage_times_says_so(tmp_path, capsys):
 @pytest.mark.parametrize("argv", [
     ["llama3-8b", "--cluster", "8xa100-80gb", "--pp", "2", "--tp", "2", "--schedule", "1f1b",
      "--global-batch-size", "16", "--seq-len", "2048"],
-    ["llama3-70b", "--cluster", "2x8xh100-80gb", "--pp", "4", "--schedule", "interleaved-1f1b",
+    ["llama3-70b", "--cluster", "4x8xh100-80gb", "--pp", "4", "--schedule", "interleaved-1f1b",
      "--global-batch-size", "64", "--seq-len", "4096"],
     ["gpt2", "--cluster", "4xa100-40gb", "--pp", "2", "--schedule", "zero-bubble", "--global-batch-size", "16"],
 ])
