@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from planner.model_spec import ModelSpec
+from planner.model_spec import ModelSpec, wrapped_unit_params
 from profiler.analytic import DTYPE_BYTES, layer_forward_flops
 
 # (parameter, gradient, optimizer) bytes per parameter; see the module docstring.
@@ -151,7 +151,9 @@ def in_situ_factor(profile, zero: int) -> float | None:
     if w is None:
         return None
     ops, _ = dp_ops(zero)
-    ref = sum(_link_time(profile, ops, n * DTYPE_BYTES[profile.dtype], w.ranks, "intra_node") for n in w.unit_params)
+    # the units' sizes from the model, not the sample: older profiles counted a tied root's weight wrong
+    units = wrapped_unit_params(profile.model, len(w.unit_params) - 1)
+    ref = sum(_link_time(profile, ops, n * DTYPE_BYTES[profile.dtype], w.ranks, "intra_node") for n in units)
     return w.sync_s / ref if ref > 0 else None
 
 

@@ -131,6 +131,14 @@ class ModelSpec:
         return spec
 
 
+def wrapped_unit_params(spec: ModelSpec, blocks: int) -> list[int]:
+    """Parameters of each unit the executor's data-parallel engine wraps in a model cut to its embedding,
+    first `blocks` blocks and head: every block, then the root (embedding and head; a tied head's weight
+    is the embedding's, which the head's LayerSpec.params already leaves out)."""
+    by_kind = {layer.kind: layer.params for layer in spec.layers}
+    return [by_kind["block"]] * blocks + [by_kind["embedding"] + by_kind["head"]]
+
+
 def block_params(spec: ModelSpec) -> int:
     """Parameters of one transformer block from its dimensions."""
     h, ffn = spec.hidden_size, spec.ffn_hidden_size

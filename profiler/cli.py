@@ -108,15 +108,15 @@ def covers(profile, cfg) -> bool:
     size and TP degree, the whole-model chain (whole and split backward; tensor-parallel at each degree
     timed across ranks), and the in-situ engine and per-schedule pipeline measurements when several ranks
     run."""
+    from planner.model_spec import wrapped_unit_params
     from planner.plan import SCHEDULES
     from profiler.measure import in_situ_phases
-    from profiler.wrappers import unit_params
 
     have = {(c.micro_batch_size, c.seq_len, c.tp) for c in profile.compute if c.kind == "block"}
     want = {(b, s, t) for b in cfg.micro_batch_sizes for s in cfg.seq_lens for t in cfg.tps}
     engines, pipelines = in_situ_phases(cfg.nprocs)
     # measured before unit_params counted a tied root right (and the bare cut model was untied): again
-    units = all(w.unit_params == unit_params(cfg.model, len(w.unit_params) - 1) for w in profile.wrappers)
+    units = all(w.unit_params == wrapped_unit_params(cfg.model, len(w.unit_params) - 1) for w in profile.wrappers)
     in_situ = not engines or (bool(profile.wrappers) and units)
     pipelines = not pipelines or (set(SCHEDULES) <= set(profile.pipeline_overheads) and max(cfg.micro_batch_sizes)
                                   in {p.micro_batch_size for p in profile.pipeline_samples})

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from executor.model import loss_fn
-from planner.model_spec import ModelSpec
+from planner.model_spec import ModelSpec, wrapped_unit_params
 from profiler.compute import TimingConfig, typical_time
 from profiler.layers import TORCH_DTYPES
 from profiler.profile import ENGINES, ChainSample, WrapperSample
@@ -80,14 +80,6 @@ def _optimizer_time(model, device: torch.device, cfg: TimingConfig, foreach: boo
     return typical_time(opt.step, device, cfg.warmup, cfg.repeats)
 
 
-def unit_params(spec: ModelSpec, blocks: int) -> list[int]:
-    """Parameters of each unit the executor wraps in the cut model: every block, then the root
-    (embedding and head; a tied head's weight is the embedding's, which LayerSpec.params of the head
-    already leaves out)."""
-    by_kind = {layer.kind: layer.params for layer in spec.layers}
-    return [by_kind["block"]] * blocks + [by_kind["embedding"] + by_kind["head"]]
-
-
 def measure_wrappers(spec: ModelSpec, b: int, s: int, dtype: str, device: torch.device, cfg: TimingConfig,
                      blocks: int = 2) -> list[WrapperSample]:
     """Every rank of the default group calls this together; the samples are the same on all."""
@@ -109,7 +101,7 @@ def measure_wrappers(spec: ModelSpec, b: int, s: int, dtype: str, device: torch.
         synced = _pass_time(model, b, s, spec, device, cfg, sync=True, zero=zero)
         opt = _optimizer_time(model, device, cfg)
         share = 1.0 / world if zero >= 1 else 1.0  # sharded: each rank steps 1/world of the parameters
-        samples.append(WrapperSample(engine, world, b, s, unit_params(spec, blocks),
+        samples.append(WrapperSample(engine, world, b, s, wrapped_unit_params(spec, blocks),
                                      hook_s=max(0.0, accumulate - bare_s) / units,
                                      sync_s=max(0.0, synced - accumulate),
                                      optimizer_ratio=opt / max(bare_opt * share, 1e-12)))

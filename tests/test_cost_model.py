@@ -150,11 +150,12 @@ def test_data_parallel_collectives_follow_the_executor_engines():
 
 
 def _with_engines(profile, hook_s: float, sync_s: float, ratio: float):
+    from planner.model_spec import wrapped_unit_params
     from profiler.profile import ENGINES, WrapperSample
 
-    block = next(layer.params for layer in profile.model.layers if layer.kind == "block")
-    profile.wrappers = [WrapperSample(e, 2, 1, 64, [block, block, 3 * block], hook_s, sync_s, ratio) for e in ENGINES]
-    return profile, block
+    units = wrapped_unit_params(profile.model, 2)
+    profile.wrappers = [WrapperSample(e, 2, 1, 64, units, hook_s, sync_s, ratio) for e in ENGINES]
+    return profile, units
 
 
 def test_in_situ_engine_costs_replace_the_link_fit():
@@ -164,9 +165,10 @@ def test_in_situ_engine_costs_replace_the_link_fit():
     model = builtin_model("tiny")
     profile = preset_profile(model, parse_cluster("2xcpu"))
     base_opt = optimizer_time(profile, 1000, 2, 1)
-    profile, block = _with_engines(profile, hook_s=0.002, sync_s=0.03, ratio=2.5)
+    profile, units = _with_engines(profile, hook_s=0.002, sync_s=0.03, ratio=2.5)
+    block = units[0]
     for zero in (0, 1, 3):
-        total = sum(dp_sync_time(profile, n, profile.dtype, 2, zero, "intra_node") for n in (block, block, 3 * block))
+        total = sum(dp_sync_time(profile, n, profile.dtype, 2, zero, "intra_node") for n in units)
         assert total == pytest.approx(0.03)
         assert sharded_dp_time(profile, block, profile.dtype, 2, zero, "intra_node") == 0.002
         assert root_hook_time(profile, 2, zero) == 0.002 and unhidden_share(profile, 2, zero, 6, 1) == 1.0
@@ -304,3 +306,24 @@ def test_step_transients_by_hand():
     # CUDA foreach: sqrt(v) of every local parameter (fp32), ÷ tp ÷ dp (FSDP shards); the head's copy too
     assert ws.per_layer == [4.0 * layer.params / 4 for layer in model.layers]
     assert ws.opt == [0.0, 4.0 * table / 4]
+
+
+def test_in_situ_factor_takes_the_units_from_the_model():
+    """The measured reduction is compared with the link fit over the cut model's units, counted from the
+    model (a tied root holds the embedding's weight once): profiles that stored a wrong root read alike."""
+    from dataclasses import replace
+
+    from planner.cost_model import DTYPE_BYTES, in_situ_factor
+    from planner.model_spec import wrapped_unit_params
+    from profiler.profile import WrapperSample
+
+    model = builtin_model("gpt-20m")
+    profile = preset_profile(model, parse_cluster("2xcpu"))
+    units = wrapped_unit_params(model, 2)
+    assert units[-1] == model.vocab_size * model.hidden_size + 256 * model.hidden_size + 2 * model.hidden_size
+    right = WrapperSample("replicate", 2, 1, 128, units, 0.001, 0.05, 1.0)
+    ref = sum(profile.collective_time("all_reduce", n * DTYPE_BYTES[profile.dtype], 2, "intra_node") for n in units)
+    profile.wrappers = [right]
+    assert in_situ_factor(profile, 0) == pytest.approx(0.05 / ref)
+    profile.wrappers = [replace(right, unit_params=units[:-1] + [99072])]  # as stored before this fix
+    assert in_situ_factor(profile, 0) == pytest.approx(0.05 / ref)

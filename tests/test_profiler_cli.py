@@ -187,9 +187,9 @@ def test_preset_efficiency_is_user_overridable(tmp_path):
 def test_cached_profile_used_only_when_it_covers_the_request():
     from types import SimpleNamespace
 
+    from planner.model_spec import wrapped_unit_params as unit_params
     from profiler.cli import covers
     from profiler.profile import ChainSample, ComputeSample, PipelineSample, WrapperSample
-    from profiler.wrappers import unit_params
 
     model = replace(builtin_model("tiny"), tied_embeddings=True, layers=())
     engine = WrapperSample("replicate", 2, 1, 64, unit_params(model, 2), 0.001, 0.01, 1.0)

@@ -92,7 +92,8 @@ def test_wrapped_units_count_the_cut_models_parameters(tied):
     the parameters the cut model really has (a tied head's weight is the embedding's, counted once)."""
     from dataclasses import replace
 
-    from profiler.wrappers import _model, unit_params
+    from planner.model_spec import wrapped_unit_params as unit_params
+    from profiler.wrappers import _model
 
     spec = replace(builtin_model("tiny"), tied_embeddings=tied, layers=())
     model = _model(spec, 2, torch.device("cpu"), "fp32")
