@@ -287,7 +287,8 @@ def step_transients(model: ModelSpec, device_kind: str, cand: Candidate, s: int,
                     rank: list[int]) -> Workspace:
     """The Workspace of `cand` with stage k on pipeline rank rank[k] (executor/train.py's step)."""
     tp, pp, S = cand.tp, cand.pp, cand.num_stages
-    local = tp * (cand.dp if cand.zero >= 1 and cand.dp > 1 else 1)  # AdamW steps FSDP's shards
+    shards = cand.dp if cand.zero >= 1 and cand.dp > 1 else 1  # AdamW steps FSDP's shards
+    local = tp * shards
     vocab_tp = tp if model.vocab_size % tp == 0 else 1  # executor.parallelize.vocab_parallel
     table = model.vocab_size * model.hidden_size / vocab_tp  # embedding / LM-head weight elements
     grad = STATE_BYTES[dtype][1]
@@ -302,7 +303,7 @@ def step_transients(model: ModelSpec, device_kind: str, cand: Candidate, s: int,
         block = model.hidden_size * model.ffn_hidden_size / tp
         for r in range(pp):
             largest = max(block, table if r in (rank[0], rank[-1]) else 0.0)
-            opt[r] = 2.0 * 4.0 * largest * tp / local
+            opt[r] = 2.0 * 4.0 * largest / shards
     else:
         per_layer = [4.0 * layer.params / local for layer in model.layers]
         tied = sum(layer.tied_params for layer in model.layers if layer.kind == "head")
@@ -319,6 +320,29 @@ def peak_memory(state: float, fixed: float, inflight: float, act: float, opt_lay
     process: 429 MiB measured, 436 predicted, 515 with the gradients)."""
     return fixed + max(state * (1.0 - grads_idle) + inflight * act + ws.act[r],
                        state + max(inflight - 1.0, 0.0) * act + ws.emb[r], state + opt_layers + ws.opt[r])
+
+
+def grads_idle(state_bytes: tuple[float, float, float], m: int, inflight: list[float]) -> list[float]:
+    """Per rank: the gradients' share of the (parameter, gradient, optimizer) bytes when none exists yet
+    at the activation peak: m ≤ the in-flight micro-batches, so every forward runs before the first
+    backward."""
+    pb, gb, ob = state_bytes
+    return [gb / (pb + gb + ob) if m <= k else 0.0 for k in inflight]
+
+
+def gather_workspace(model: ModelSpec, tp: int, dtype: str) -> float:
+    """ZeRO-3's gathered parameters: two layers at a time (current + prefetch)."""
+    return 2.0 * max(layer.params for layer in model.layers) / tp * DTYPE_BYTES[dtype]
+
+
+def fixed_bytes(pp: int, rank: list[int], tied_copy: float, workspace: float) -> list[float]:
+    """Per rank, bytes no partition changes: ZeRO-3's `workspace` on every rank, and a tied head's copy
+    (`tied_copy` bytes) in the last stage's module whenever the model is pipelined, also when a V puts
+    that stage on rank 0 (executor/train.py builds one module per stage and sums the two gradients)."""
+    fixed = [workspace] * pp
+    if tied_copy and len(rank) > 1:
+        fixed[rank[-1]] += tied_copy
+    return fixed
 
 
 def activation_bytes(profile, kind: str, b: int, s: int, tp: int, mode: str, sequence_parallel: bool) -> float:
@@ -371,17 +395,9 @@ class StageProblem:
     m: int
     unhidden: float  # share of DP traffic that can never overlap (the last bucket; 1: measured exposed)
     recompute: str  # "free": 0..n per stage; "none"; "all"
+    ws: Workspace  # the step's transient bytes (peak_memory)
+    grads_idle: list[float]  # per rank: share of `state` not yet allocated at the activation peak
     cuts: list[bool] = field(default_factory=list)  # cuts[l]: a stage may start at layer l (l ≥ 1)
-    ws: Workspace | None = None  # transient bytes (None: none, e.g. hand-built problems in tests)
-    grads_idle: list[float] = field(default_factory=list)  # per rank: share of `state` not yet allocated
-    # at the activation peak (gradients, when every micro-batch's forward runs before the first backward)
-
-    def __post_init__(self) -> None:
-        if self.ws is None:
-            zeros = [0.0] * self.pp
-            self.ws = Workspace(zeros, list(zeros), list(zeros), [0.0] * len(self.kinds))
-        if not self.grads_idle:
-            self.grads_idle = [0.0] * self.pp
 
     @property
     def state_kept(self) -> float:
@@ -617,14 +633,10 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
     boundary = [root + pipeline_stage_time(profile, hop, crossings(rank, k), cand.schedule,
                                            unfused_share(cand.schedule, pp, cand.m, rank[k]), b) for k in range(S)]
     inflight = [in_flight(cand.schedule, pp, v, cand.m, r) for r in range(pp)]
-    fixed = [0.0] * pp
-    pb, gb, ob = state_bytes_per_param(dtype, zero, dp, cand.m > 1)
+    state_bytes = state_bytes_per_param(dtype, zero, dp, cand.m > 1)
     tied = sum(layer.tied_params for layer in model.layers if layer.kind == "head")
-    if tied and S > 1:  # the last stage's module keeps its own copy, also when a V puts it on rank 0
-        fixed[rank[-1]] += tied / tp * (pb + gb + ob)
-    if zero >= 3 and dp > 1:
-        workspace = 2.0 * max(layer.params for layer in model.layers) / tp * DTYPE_BYTES[dtype]
-        fixed = [x + workspace for x in fixed]
+    fixed = fixed_bytes(pp, rank, tied / tp * sum(state_bytes),
+                        gather_workspace(model, tp, dtype) if zero >= 3 and dp > 1 else 0.0)
     bubble = bubble_micro_batches(cand.schedule, pp, v, zb_ratio(sum(fwd), sum(bwd)))
     recompute = "none" if cand.recompute == "none" else ("all" if cand.recompute_pinned else "free")
     return StageProblem(
@@ -633,7 +645,7 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
         inflight=inflight, fixed=fixed, mem_limit=mem_limit, weight=cand.m + bubble, bubble=bubble, m=cand.m,
         unhidden=unhidden_share(profile, dp, zero, len(kinds), S), recompute=recompute, cuts=cuts,
         ws=step_transients(model, profile.device_kind, cand, seq_len, dtype, rank),
-        grads_idle=[gb / (pb + gb + ob) if cand.m <= k else 0.0 for k in inflight],
+        grads_idle=grads_idle(state_bytes, cand.m, inflight),
     )
 
 

@@ -26,6 +26,9 @@ from planner.cost_model import (
     build_problem,
     crossings,
     evaluate,
+    fixed_bytes,
+    gather_workspace,
+    grads_idle,
     in_flight,
     least_recompute,
     model_flops_per_iteration,
@@ -52,7 +55,6 @@ from planner.plan import (
 )
 from planner.report import human_bytes
 from planner.shared_cores import relative_rate, shared_iteration_time
-from profiler.analytic import DTYPE_BYTES
 
 Progress = Callable[[int, int], None]
 MAX_VIRTUAL_STAGES = 8
@@ -181,14 +183,10 @@ class Search:
         rec_time, rec_saving, _ = self.terms.recompute(b, tp, cand.recompute)
         recompute = "none" if cand.recompute == "none" else ("all" if cand.recompute_pinned else "free")
         inflight = self._inflight(cand.schedule, pp, cand.v, cand.m)
-        fixed = [0.0] * pp
-        if q.tied and S > 1:  # as build_problem: the last stage's own copy of a tied head
-            fixed[rank[-1]] += q.tied / tp * agg["bytes_per_param"]
-        if cand.zero >= 3 and cand.dp > 1:
-            fixed = [x + agg["workspace"] for x in fixed]
+        fixed = fixed_bytes(pp, rank, q.tied / tp * sum(agg["state_bytes"]),
+                            agg["workspace"] if cand.zero >= 3 and cand.dp > 1 else 0.0)
         left = [self.mem_limit - f for f in fixed]
-        # as StageProblem.state_kept: gradients not yet allocated at the activation peak (m ≤ in flight)
-        kept = 1.0 - agg["grad_share"] if any(cand.m <= k for k in inflight) else 1.0
+        kept = 1.0 - max(grads_idle(agg["state_bytes"], cand.m, inflight))  # as StageProblem.state_kept
         block_state = agg["block_state_min"] * kept
         for i, params_state, kind in agg["ends"]:
             r = rank[0] if i < q.first_block else rank[-1]
@@ -229,14 +227,13 @@ class Search:
             state, opt, dps, gather = self.terms.per_layer(tp, dp, zero, link, accumulating)
             kinds = self.quick.kinds
             blocks = [i for i, k in enumerate(kinds) if k == "block"]
-            pb, gb, ob = state_bytes_per_param(self.c.dtype, zero, dp, accumulating)
             self.terms.memo[key] = dict(
                 state=sum(state), opt=sum(opt), dp=sum(dps), gather=sum(gather),
                 block_state=sum(state[i] for i in blocks),
                 block_state_min=min((state[i] for i in blocks), default=0.0),
                 ends=[(i, state[i], k) for i, k in enumerate(kinds) if k != "block"],
-                bytes_per_param=pb + gb + ob, grad_share=gb / (pb + gb + ob),
-                workspace=2.0 * max(layer.params for layer in self.model.layers) / tp * DTYPE_BYTES[self.c.dtype])
+                state_bytes=state_bytes_per_param(self.c.dtype, zero, dp, accumulating),
+                workspace=gather_workspace(self.model, tp, self.c.dtype))
         return self.terms.memo[key]
 
     def _ranks(self, pp: int, schedule: str, v: int) -> list[int]:
