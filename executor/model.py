@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from planner.model_spec import ModelSpec
 
@@ -37,8 +39,12 @@ def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    """`recompute_core`: selective recompute (Korthikanti et al. 2022 §4.2.2) — the attention core
+    softmax(QKᵀ)V is checkpointed, so only its inputs q, k, v are kept and it runs again in backward."""
+
     def __init__(self, spec: ModelSpec):
         super().__init__()
+        self.recompute_core = False
         h, hd = spec.hidden_size, spec.head_dim
         q_dim, kv_dim = spec.num_heads * hd, spec.num_kv_heads * hd
         qkv_bias = spec.linear_bias or spec.qkv_bias
@@ -57,7 +63,11 @@ class Attention(nn.Module):
         if self.rope_theta is not None:
             q, k = rotary(q, self.rope_theta), rotary(k, self.rope_theta)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        core = partial(F.scaled_dot_product_attention, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        if self.recompute_core and torch.is_grad_enabled():
+            out = checkpoint(core, q, k, v, use_reentrant=False, preserve_rng_state=False)
+        else:
+            out = core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

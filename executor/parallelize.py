@@ -23,7 +23,6 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from executor.model import Transformer, init_value
 from planner.plan import ParallelConfig
@@ -89,29 +88,27 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
         model.head.output.weight = model.embedding.tok.weight
 
 
-def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Selective recompute (Korthikanti et al.): keep matmul outputs, recompute the cheap rest
-    (attention softmax, activations, norms)."""
-    save = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten.linear.default)
-    return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+def checkpointed_block(block: nn.Module) -> nn.Module:
+    """Full recompute of one block: only its input is kept; the profiler times the same wrapper."""
+    return checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def recompute_attention_core(block: nn.Module) -> None:
+    """Selective recompute of one block (Korthikanti et al. 2022): checkpoint the attention core only,
+    softmax(QKᵀ)V, keeping q, k, v; the rest of the block's activations stay saved."""
+    block.attention.recompute_core = True
 
 
 def apply_ac(model: Transformer, recompute: str, num_layers: int) -> None:
-    """Wrap the stage's first `num_layers` blocks (full) or all its blocks (selective) in
-    activation checkpointing."""
+    """Full: wrap the stage's first `num_layers` blocks in activation checkpointing. Selective: every
+    block recomputes its attention core."""
     if recompute == "none":
         return
-    names = list(model.blocks.keys())
-    if recompute == "full":
-        names = names[:num_layers]
-    for name in names:
+    for name in list(model.blocks.keys())[:num_layers] if recompute == "full" else model.blocks.keys():
         if recompute == "full":
-            wrapped = checkpoint_wrapper(model.blocks[name], preserve_rng_state=False)
+            model.blocks[name] = checkpointed_block(model.blocks[name])
         else:
-            wrapped = checkpoint_wrapper(model.blocks[name], preserve_rng_state=False,
-                                         context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
-        model.blocks[name] = wrapped
+            recompute_attention_core(model.blocks[name])
 
 
 def apply_dp(model: Transformer, dp_mesh: DeviceMesh, cfg: ParallelConfig) -> None:

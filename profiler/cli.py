@@ -123,7 +123,10 @@ def covers(profile, cfg) -> bool:
     bare = [c for c in profile.chains if c.tp == 1]
     split = bool(bare) and all(c.split_extra_s > 0 for c in bare)
     joint = {c.tp for c in profile.compute if c.with_collectives}  # TP degrees run across ranks: chained too
-    return want <= have and in_situ and pipelines and split and joint <= {c.tp for c in profile.chains}
+    # measured before the checkpointed forward was timed (its cost was missing from recompute): again
+    checkpointed = all(c.forward_full_s > 0 for c in profile.compute if c.kind == "block" and c.backward_full_s > 0)
+    return (want <= have and in_situ and pipelines and split and joint <= {c.tp for c in profile.chains}
+            and checkpointed)
 
 
 def _measure_or_cached(args: argparse.Namespace, model, cluster):

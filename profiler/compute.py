@@ -127,7 +127,8 @@ def time_passes(spec: ModelSpec, kind: str, b: int, s: int, tp: int, dtype: str,
 def measure_sample(spec: ModelSpec, kind: str, b: int, s: int, tp: int, dtype: str, device: torch.device,
                    cfg: TimingConfig, recompute_modes: tuple[str, ...] = ("full", "selective"),
                    tp_mesh=None) -> ComputeSample:
-    """One ComputeSample; for blocks also the backward time with each recompute mode. With `tp_mesh`
+    """One ComputeSample; for blocks also the forward and backward times with each recompute mode (the
+    checkpoint's forward costs more than the plain one: it records what to replay). With `tp_mesh`
     (of size tp) the layer runs tensor-parallel across it and the times include its collectives."""
     fwds, bwds = time_passes(spec, kind, b, s, tp, dtype, device, cfg, tp_mesh=tp_mesh)
     sample = ComputeSample(kind, b, s, tp, forward_s=typical(fwds, device), backward_s=typical(bwds, device),
@@ -135,7 +136,9 @@ def measure_sample(spec: ModelSpec, kind: str, b: int, s: int, tp: int, dtype: s
                            with_collectives=tp_mesh is not None)
     if kind == "block":
         for mode in recompute_modes:
-            _, bwd_mode = time_passes(spec, kind, b, s, tp, dtype, device, cfg, recompute=mode, tp_mesh=tp_mesh)
+            fwd_mode, bwd_mode = time_passes(spec, kind, b, s, tp, dtype, device, cfg, recompute=mode,
+                                             tp_mesh=tp_mesh)
+            setattr(sample, f"forward_{mode}_s", typical(fwd_mode, device))
             setattr(sample, f"backward_{mode}_s", typical(bwd_mode, device))
     return sample
 

@@ -9,15 +9,16 @@ collectives, which the profiler times separately as links.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils.checkpoint import checkpoint
 
 from executor.model import Block, Embedding, Head, loss_fn
+from executor.parallelize import checkpointed_block, recompute_attention_core
 from planner.errors import InputError
 from planner.model_spec import ModelSpec
 
@@ -77,8 +78,16 @@ class LayerCase:
     make_input: Callable[[], torch.Tensor]
     backward: Callable[[torch.Tensor], None]
 
+    variants: dict[str, nn.Module] = field(default_factory=dict)
+
     def parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())
+
+    def variant(self, name: str, make: Callable[[nn.Module], nn.Module]) -> nn.Module:
+        """`make(module)`, built once (a recompute wrapper is not rebuilt inside the timed passes)."""
+        if name not in self.variants:
+            self.variants[name] = make(self.module)
+        return self.variants[name]
 
 
 def build_case(spec: ModelSpec, kind: str, b: int, s: int, tp: int, dtype: str, device: torch.device,
@@ -154,33 +163,42 @@ def build_tp_case(spec: ModelSpec, kind: str, b: int, s: int, tp_mesh, dtype: st
     return LayerCase(kind, module, make_input, lambda out: out.backward(grad))
 
 
-class _CheckpointAttentionCore(TorchFunctionMode):
-    """Selective recompute (Korthikanti et al.): checkpoint only the attention core, softmax(QKᵀ)V, so
-    that its internals are recomputed in backward and only q, k, v are kept. `on_inputs` sees what the
-    checkpoint keeps alive (for memory accounting)."""
+class _SeeAttentionCore(TorchFunctionMode):
+    """Reports the inputs of the attention core, softmax(QKᵀ)V, to `on_inputs`: with selective recompute
+    the checkpoint keeps them (outside the saved-tensor hooks that count the rest)."""
 
-    def __init__(self, on_inputs: Callable[[list[torch.Tensor]], None] | None = None):
+    def __init__(self, on_inputs: Callable[[list[torch.Tensor]], None]):
         super().__init__()
         self.on_inputs = on_inputs
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and torch.is_grad_enabled():
-            if self.on_inputs is not None:
-                self.on_inputs([a for a in args if isinstance(a, torch.Tensor)])
-            return checkpoint(func, *args, use_reentrant=False, **kwargs)
-        return func(*args, **kwargs)
+            self.on_inputs([a for a in args if isinstance(a, torch.Tensor)])
+        return func(*args, **(kwargs or {}))
 
 
 def forward(case: LayerCase, x: torch.Tensor, recompute: str = "none",
             on_kept: Callable[[list[torch.Tensor]], None] | None = None) -> torch.Tensor:
-    """The layer's forward with the plan's recompute mode (block only; other layers ignore it).
-    Full: checkpoint the whole block, keeping its input. Selective: checkpoint the attention core."""
+    """The layer's forward with the plan's recompute mode (block only; other layers ignore it), done
+    the way the executor does it (executor.parallelize.apply_ac). Full: the block in a checkpoint
+    wrapper, keeping its input. Selective: the block's attention core checkpointed. `on_kept` sees what
+    the checkpoint keeps alive (for memory accounting)."""
     if case.kind != "block" or recompute == "none":
         return case.module(x)
     if recompute == "full":
         if on_kept is not None:
             on_kept([x])
-        return checkpoint(case.module, x, use_reentrant=False)
-    with _CheckpointAttentionCore(on_kept):
+        return case.variant("full", checkpointed_block)(x)
+    with _core_recomputed(case.module), _SeeAttentionCore(on_kept) if on_kept else nullcontext():
         return case.module(x)
+
+
+@contextmanager
+def _core_recomputed(block: nn.Module):
+    """The block's attention core recomputed during this forward (the flag is read in forward only; the
+    backward replays what the checkpoint recorded)."""
+    recompute_attention_core(block)
+    try:
+        yield
+    finally:
+        block.attention.recompute_core = False

@@ -171,7 +171,8 @@ def _compute_phase(cfg: MeasureConfig, rank: int, world: int, local_world: int, 
     return samples, chains, opt
 
 
-_COMPUTE_TIMES = ("forward_s", "backward_s", "spread", "backward_full_s", "backward_selective_s")
+_COMPUTE_TIMES = ("forward_s", "backward_s", "spread", "backward_full_s", "backward_selective_s", "forward_full_s",
+                  "forward_selective_s")
 _CHAIN_TIMES = ("seconds", "split_extra_s")
 
 

@@ -211,6 +211,10 @@ def test_cached_profile_used_only_when_it_covers_the_request():
     assert not covers(small_only, cfg)  # the pipeline was measured at b=1 only: b=2's messages are larger
     no_split = SimpleNamespace(**{**vars(profile), "chains": [ChainSample(1, 64, 2, 0.1)]})
     assert not covers(no_split, cfg)
+    timed = [replace(c, backward_full_s=3.0, forward_full_s=1.2) for c in sample]
+    assert covers(SimpleNamespace(**{**vars(profile), "compute": timed}), cfg)
+    untimed = [replace(c, forward_full_s=0.0) for c in timed]  # the checkpointed forward was not timed
+    assert not covers(SimpleNamespace(**{**vars(profile), "compute": untimed}), cfg)
     one = SimpleNamespace(**{**vars(cfg), "nprocs": 1})
     assert covers(before_in_situ, one)
     assert not covers(SimpleNamespace(**{**vars(before_in_situ), "chains": []}), one)

@@ -49,6 +49,7 @@ def test_sample_has_recompute_timings_and_spread():
     s = measure_sample(builtin_model("tiny"), "block", 2, 32, 1, "fp32", CPU, TimingConfig(1, 3))
     assert s.forward_s > 0 and s.backward_s > 0 and s.spread >= 0
     assert s.backward_full_s > 0 and s.backward_selective_s > 0
+    assert s.forward_full_s > 0 and s.forward_selective_s > 0
     head = measure_sample(builtin_model("tiny"), "head", 2, 32, 2, "bf16", CPU, TimingConfig(1, 2))
     assert head.backward_full_s == 0 and head.forward_s > 0
 
@@ -100,3 +101,43 @@ def test_wrapped_units_count_the_cut_models_parameters(tied):
     blocks = [sum(p.numel() for p in block.parameters()) for block in model.blocks.values()]
     root = sum(p.numel() for p in model.parameters()) - sum(blocks)
     assert unit_params(spec, 2) == blocks + [root]
+
+
+def test_recompute_passes_run_the_executors_checkpoints():
+    """The profiler's full recompute is the executor's checkpoint wrapper (only the block input is kept,
+    so nothing of the block's internals is saved outside it); selective checkpoints the attention core
+    through the executor's own switch, which is off again afterwards."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from profiler.memory import saved_bytes
+
+    case = build_case(builtin_model("tiny"), "block", 2, 16, 1, "fp32", CPU)
+    x = case.make_input()
+    counts = {}
+    for mode in ("none", "selective", "full"):
+        counter, out = saved_bytes(lambda c, m=mode: forward(case, x, m, on_kept=c.add_all), case.parameters())
+        counts[mode] = counter.bytes
+        case.backward(out)
+    assert isinstance(case.variants["full"], CheckpointWrapper)
+    assert case.module.attention.recompute_core is False
+    assert counts["full"] == x.numel() * 4 < counts["selective"] <= counts["none"]
+
+
+def test_recompute_time_counts_the_checkpointed_forward():
+    """Extra time of a recomputed block = the backward's extra (the forward again) + the checkpointed
+    forward's extra over the plain one; a profile without the latter (older) counts the backward's only."""
+    from planner.cluster_spec import parse_cluster
+    from profiler.presets import preset_profile
+    from profiler.profile import ComputeSample
+
+    spec = builtin_model("tiny")
+    profile = preset_profile(spec, parse_cluster("1xcpu"), "fp32")
+    sample = ComputeSample("block", 2, 16, 1, forward_s=1.0, backward_s=2.0, backward_full_s=3.0, forward_full_s=1.5,
+                           backward_selective_s=2.25, forward_selective_s=1.25)
+    profile.compute = [c for c in profile.compute if c.kind != "block"] + [sample]
+    profile.chains = []
+    fwd, _ = profile.layer_time("block", 2, 16, 1)
+    assert profile.recompute_time("block", 2, 16, 1, "full") == pytest.approx(fwd * 1.5)
+    assert profile.recompute_time("block", 2, 16, 1, "selective") == pytest.approx(fwd * 0.5)
+    sample.forward_full_s = 0.0
+    assert profile.recompute_time("block", 2, 16, 1, "full") == pytest.approx(fwd * 1.0)
