@@ -3,8 +3,10 @@
     python benchmarks/predict_vs_measure.py --cluster 2xcpu --model tiny
 
 profile -> plan --top-k K -> for each distinct plan: re-plan it pinned, run it with torchrun for a few
-steps -> table of predicted vs measured time and peak memory, then median absolute error, Spearman rank
-correlation and the regret of the planner's choice (measured time of the chosen plan / best measured).
+steps, in --rounds interleaved rounds (the machine drifts; one run of each plan would rank the minutes
+they ran in as much as the plans) -> table of predicted vs measured time and peak memory, then median
+absolute error, Spearman rank correlation and the regret of the planner's choice (measured time of the
+chosen plan / best measured).
 Uses only the public command line (plan, plan profile, torchrun -m executor), as a user would.
 """
 
@@ -23,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the repository's own modules (the executor's warm-up rule, calibrate's predict)
 
 
 def _env() -> dict:
@@ -113,16 +116,47 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def measure(plan_path: str, nproc: int, steps: int, workdir: str, tag: str) -> tuple[float, float]:
+def measure(plan_path: str, nproc: int, steps: int, workdir: str, tag: str) -> tuple[list[float], float]:
+    """One run of the plan: its step times after the executor's warm-up, and its measured peak memory."""
+    from executor.metrics import warmup_steps
+
     metrics = os.path.join(workdir, f"{tag}.jsonl")
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
          "-m", "executor", plan_path, "--steps", str(steps), "--metrics", metrics])
     with open(metrics) as fh:
         lines = [json.loads(line) for line in fh if line.strip()]
     summary = next(x for x in lines if x.get("summary"))
+    step_times = [x["step_time_s"] for x in lines if "step" in x]
     # CPU: tensor bytes tracked by the executor's memory probe (peak RSS would count the interpreter)
     peak = summary.get("peak_tensor_bytes") or max(x.get("peak_memory_bytes", 0) for x in lines if "step" in x)
-    return summary["measured_iteration_time_s"], peak
+    return step_times[warmup_steps(len(step_times)):], peak
+
+
+def measure_rounds(paths: list[str], nproc: list[int], steps: int, rounds: int, workdir: str,
+                   console: Console) -> list[tuple[float, float]]:
+    """Every plan's median step time over `rounds` runs, taken in interleaved rounds (forward, then
+    backward order, ...) so that the machine's drift over the benchmark spreads over all plans instead
+    of favouring the ones run in a quiet minute; and its largest measured peak."""
+    times: list[list[float]] = [[] for _ in paths]
+    peaks = [0.0] * len(paths)
+    for r in range(rounds):
+        order = range(len(paths)) if r % 2 == 0 else reversed(range(len(paths)))
+        for i in order:
+            console.print(f"round {r + 1}/{rounds}, plan {i + 1}/{len(paths)}: running {label(load(paths[i]))} ...",
+                          markup=False)
+            step_times, peak = measure(paths[i], nproc[i], steps, workdir, run_tag(i, r))
+            times[i] += step_times
+            peaks[i] = max(peaks[i], peak)
+    return [(float(np.median(t)), p) for t, p in zip(times, peaks)]
+
+
+def run_tag(plan: int, round_: int) -> str:
+    return f"plan{plan}" if round_ == 0 else f"plan{plan}.r{round_ + 1}"
+
+
+def load(path: str) -> dict:
+    with open(path) as fh:
+        return json.load(fh)["parallel"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=4, help="the planner's runner-ups to run besides the sweep")
     ap.add_argument("--max-plans", type=int, default=16, help="at most this many distinct plans are run")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="runs of every plan, in interleaved rounds; its time is the median step over all of them")
     ap.add_argument("--profile", help="use this profile instead of measuring one")
     ap.add_argument("--workdir", help="keep plans, metrics and the profile here")
     ap.add_argument("--no-calibrate", dest="calibrate", action="store_false",
@@ -167,16 +203,16 @@ def main(argv: list[str] | None = None) -> int:
         if plan and key not in seen:
             seen.add(key)
             plans.append(plan)
-    rows: list[Row] = []
-    for i, plan in enumerate(plans):
-        path = os.path.join(workdir, f"plan{i}.json")
+    paths = [os.path.join(workdir, f"plan{i}.json") for i in range(len(plans))]
+    for path, plan in zip(paths, plans):
         with open(path, "w") as fh:
             json.dump(plan, fh)
-        console.print(f"[{i + 1}/{len(plans)}] running {label(plan['parallel'])} ...")
-        measured_s, measured_mem = measure(path, plan["world_size"], args.steps, workdir, f"plan{i}")
-        rows.append(Row(label(plan["parallel"]), plan["predicted"]["iteration_time_s"], measured_s,
-                        plan["predicted"]["peak_memory_bytes"], measured_mem, chosen=i == 0))
-    table = Table(title=f"{args.model} on {args.cluster} ({nproc} ranks), {args.steps} steps each")
+    measured = measure_rounds(paths, [p["world_size"] for p in plans], args.steps, args.rounds, workdir, console)
+    rows = [Row(label(plan["parallel"]), plan["predicted"]["iteration_time_s"], measured_s,
+                plan["predicted"]["peak_memory_bytes"], measured_mem, chosen=i == 0)
+            for i, (plan, (measured_s, measured_mem)) in enumerate(zip(plans, measured))]
+    table = Table(title=f"{args.model} on {args.cluster} ({nproc} ranks), {args.steps} steps x {args.rounds} "
+                        f"rounds each")
     for col in ("plan", "predicted ms", "measured ms", "error", "pred. peak MiB", "meas. peak MiB"):
         table.add_column(col, justify="right")
     for r in rows:
@@ -190,23 +226,25 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"median |error| {np.median(errors):.1%}   Spearman {rho:.2f}"
                   f"   regret {regret:.2f}   ({len(rows)} plans; * = the planner's choice; files in {workdir})")
     if args.calibrate and len(rows) >= 4:
-        calibrate_held_out(console, plan_cmd, workdir, profile, rows)
+        calibrate_held_out(console, plan_cmd, workdir, profile, rows, args.rounds)
     return 0
 
 
-def calibrate_held_out(console: Console, plan_cmd: list[str], workdir: str, profile: str, rows: list[Row]) -> None:
-    """Fit `plan calibrate` on the even-numbered runs; report the odd-numbered (held-out) runs' errors
-    before and after, and the rank correlation over all plans with the calibrated profile."""
-    sys.path.insert(0, ROOT)
+def calibrate_held_out(console: Console, plan_cmd: list[str], workdir: str, profile: str, rows: list[Row],
+                       rounds: int) -> None:
+    """Fit `plan calibrate` on the even-numbered plans' runs (every round's); report the odd-numbered
+    (held-out) plans' errors before and after, and the rank correlation over all plans with the
+    calibrated profile."""
     from planner.calibrate import predict
     from planner.plan import load_plan
     from profiler.profile import load_profile
 
     train = list(range(0, len(rows), 2))
     calibrated = os.path.join(workdir, "profile-calibrated.json")
-    flags = [x for i in train for x in ("--plan", os.path.join(workdir, f"plan{i}.json"))]
-    run(plan_cmd + ["calibrate", *[os.path.join(workdir, f"plan{i}.jsonl") for i in train], "--profile", profile,
-                    "-o", calibrated, *flags])
+    runs = [(i, r) for i in train for r in range(rounds)]
+    flags = [x for i, _ in runs for x in ("--plan", os.path.join(workdir, f"plan{i}.json"))]
+    run(plan_cmd + ["calibrate", *[os.path.join(workdir, f"{run_tag(i, r)}.jsonl") for i, r in runs],
+                    "--profile", profile, "-o", calibrated, *flags])
     plans = [load_plan(os.path.join(workdir, f"plan{i}.json")) for i in range(len(rows))]
     cal = load_profile(calibrated, model=plans[0].model)
     after = [predict(p, cal) for p in plans]
