@@ -184,6 +184,8 @@ def to_torchtitan(plan: Plan, warnings: list[str] | None = None) -> str:
     ac: dict[str, object] = {"mode": p.recompute}
     if p.recompute == "selective":
         ac["selective_ac_option"] = "op"
+        warn("recompute selective: torchtitan's closest option, 'op', saves matmul outputs and recomputes the "
+             "rest; meshplan's recomputes only the attention core, so time and memory differ from the plan's")
     partial = _partial_recompute(plan)
     if partial:
         warn(f"partial recompute ({', '.join(partial)}): torchtitan checkpoints every block (mode 'full') or "

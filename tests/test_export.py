@@ -87,6 +87,7 @@ def test_megatron_recompute_and_zero():
     ("torchtitan", {"dtype": "fp16"}, "dtype fp16"),
     ("torchtitan", {"zero": 1, "dp": 2}, "ZeRO-1"),
     ("torchtitan", {"tp": 2}, "tensor parallel without sequence parallel"),
+    ("torchtitan", {"recompute": "selective"}, "recompute selective"),
     ("deepspeed", {"pp": 2, "zero": 2}, "ZeRO-2 with pipeline parallelism"),
     ("deepspeed", {"pp": 2, "virtual_stages": 2, "schedule": "interleaved-1f1b"}, "pipeline schedule interleaved-1f1b"),
     ("deepspeed", {"recompute": "selective"}, "recompute selective"),
