@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -78,16 +78,16 @@ class LayerCase:
     make_input: Callable[[], torch.Tensor]
     backward: Callable[[torch.Tensor], None]
 
-    variants: dict[str, nn.Module] = field(default_factory=dict)
+    _checkpointed: nn.Module | None = None
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())
 
-    def variant(self, name: str, make: Callable[[nn.Module], nn.Module]) -> nn.Module:
-        """`make(module)`, built once (a recompute wrapper is not rebuilt inside the timed passes)."""
-        if name not in self.variants:
-            self.variants[name] = make(self.module)
-        return self.variants[name]
+    def checkpointed(self) -> nn.Module:
+        """The module in the executor's full-recompute wrapper, built once (not inside the timed passes)."""
+        if self._checkpointed is None:
+            self._checkpointed = checkpointed_block(self.module)
+        return self._checkpointed
 
 
 def build_case(spec: ModelSpec, kind: str, b: int, s: int, tp: int, dtype: str, device: torch.device,
@@ -188,7 +188,7 @@ def forward(case: LayerCase, x: torch.Tensor, recompute: str = "none",
     if recompute == "full":
         if on_kept is not None:
             on_kept([x])
-        return case.variant("full", checkpointed_block)(x)
+        return case.checkpointed()(x)
     with _core_recomputed(case.module), _SeeAttentionCore(on_kept) if on_kept else nullcontext():
         return case.module(x)
 

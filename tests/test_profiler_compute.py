@@ -118,7 +118,7 @@ def test_recompute_passes_run_the_executors_checkpoints():
         counter, out = saved_bytes(lambda c, m=mode: forward(case, x, m, on_kept=c.add_all), case.parameters())
         counts[mode] = counter.bytes
         case.backward(out)
-    assert isinstance(case.variants["full"], CheckpointWrapper)
+    assert isinstance(case.checkpointed(), CheckpointWrapper)
     assert case.module.attention.recompute_core is False
     assert counts["full"] == x.numel() * 4 < counts["selective"] <= counts["none"]
 
