@@ -89,7 +89,9 @@ def main_parser() -> argparse.ArgumentParser:
     c.add_argument("--pp", type=positive_int, help="pipeline-parallel degree")
     c.add_argument("--virtual-stages", type=positive_int, metavar="V", help="pipeline stages per rank (interleaved)")
     c.add_argument("--schedule", choices=SCHEDULES)
-    c.add_argument("--recompute", choices=RECOMPUTE, help="activation recomputation")
+    c.add_argument("--recompute", choices=RECOMPUTE,
+                   help="activation recomputation: selective checkpoints every block's attention core "
+                        "(Korthikanti et al.); full, whole blocks (the planner picks how many per stage)")
     c.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO / FSDP level for data parallelism")
     c.add_argument("--memory-margin", type=fraction, default=0.1, metavar="F",
                    help="fraction of device memory kept free for fragmentation and workspace (default: 0.1)")
