@@ -93,22 +93,21 @@ def checkpointed_block(block: nn.Module) -> nn.Module:
     return checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def recompute_attention_core(block: nn.Module) -> None:
+def recompute_attention_core(block: nn.Module, on: bool = True) -> None:
     """Selective recompute of one block (Korthikanti et al. 2022): checkpoint the attention core only,
     softmax(QKᵀ)V, keeping q, k, v; the rest of the block's activations stay saved."""
-    block.attention.recompute_core = True
+    block.attention.recompute_core = on
 
 
 def apply_ac(model: Transformer, recompute: str, num_layers: int) -> None:
     """Full: wrap the stage's first `num_layers` blocks in activation checkpointing. Selective: every
     block recomputes its attention core."""
-    if recompute == "none":
-        return
-    for name in list(model.blocks.keys())[:num_layers] if recompute == "full" else model.blocks.keys():
-        if recompute == "full":
+    if recompute == "selective":
+        for block in model.blocks.values():
+            recompute_attention_core(block)
+    elif recompute == "full":
+        for name in list(model.blocks.keys())[:num_layers]:
             model.blocks[name] = checkpointed_block(model.blocks[name])
-        else:
-            recompute_attention_core(model.blocks[name])
 
 
 def apply_dp(model: Transformer, dp_mesh: DeviceMesh, cfg: ParallelConfig) -> None:

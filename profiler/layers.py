@@ -201,4 +201,4 @@ def _core_recomputed(block: nn.Module):
     try:
         yield
     finally:
-        block.attention.recompute_core = False
+        recompute_attention_core(block, on=False)
