@@ -330,6 +330,12 @@ def grads_idle(state_bytes: tuple[float, float, float], m: int, inflight: list[f
     return [gb / (pb + gb + ob) if m <= k else 0.0 for k in inflight]
 
 
+def state_kept(idle: list[float]) -> float:
+    """The least share of a rank's state it holds at every moment of its peak (`grads_idle` per rank):
+    memory bounds scale state by it to stay below `peak_memory`."""
+    return 1.0 - max(idle)
+
+
 def gather_workspace(model: ModelSpec, tp: int, dtype: str) -> float:
     """ZeRO-3's gathered parameters: two layers at a time (current + prefetch)."""
     return 2.0 * max(layer.params for layer in model.layers) / tp * DTYPE_BYTES[dtype]
@@ -401,9 +407,7 @@ class StageProblem:
 
     @property
     def state_kept(self) -> float:
-        """The least share of `state` a rank holds at every moment of its peak: memory bounds scale state by
-        it to stay below `peak_memory`."""
-        return 1.0 - max(self.grads_idle)
+        return state_kept(self.grads_idle)
 
     @property
     def num_layers(self) -> int:

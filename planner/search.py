@@ -35,6 +35,7 @@ from planner.cost_model import (
     pipeline_stage_time,
     root_hook_time,
     state_bytes_per_param,
+    state_kept,
     unfused_share,
     unhidden_share,
     zb_ratio,
@@ -186,7 +187,7 @@ class Search:
         fixed = fixed_bytes(pp, rank, q.tied / tp * sum(agg["state_bytes"]),
                             agg["workspace"] if cand.zero >= 3 and cand.dp > 1 else 0.0)
         left = [self.mem_limit - f for f in fixed]
-        kept = 1.0 - max(grads_idle(agg["state_bytes"], cand.m, inflight))  # as StageProblem.state_kept
+        kept = state_kept(grads_idle(agg["state_bytes"], cand.m, inflight))
         block_state = agg["block_state_min"] * kept
         for i, params_state, kind in agg["ends"]:
             r = rank[0] if i < q.first_block else rank[-1]
