@@ -132,7 +132,7 @@ def measure(plan_path: str, nproc: int, steps: int, workdir: str, tag: str) -> t
     return step_times[warmup_steps(len(step_times)):], peak
 
 
-def measure_rounds(paths: list[str], nproc: list[int], steps: int, rounds: int, workdir: str,
+def measure_rounds(paths: list[str], nproc: list[int], labels: list[str], steps: int, rounds: int, workdir: str,
                    console: Console) -> list[tuple[float, float]]:
     """Every plan's median step time over `rounds` runs, taken in interleaved rounds (forward, then
     backward order, ...) so that the machine's drift over the benchmark spreads over all plans instead
@@ -142,8 +142,7 @@ def measure_rounds(paths: list[str], nproc: list[int], steps: int, rounds: int, 
     for r in range(rounds):
         order = range(len(paths)) if r % 2 == 0 else reversed(range(len(paths)))
         for i in order:
-            console.print(f"round {r + 1}/{rounds}, plan {i + 1}/{len(paths)}: running {label(load(paths[i]))} ...",
-                          markup=False)
+            console.print(f"round {r + 1}/{rounds}, plan {i + 1}/{len(paths)}: running {labels[i]} ...", markup=False)
             step_times, peak = measure(paths[i], nproc[i], steps, workdir, run_tag(i, r))
             times[i] += step_times
             peaks[i] = max(peaks[i], peak)
@@ -152,11 +151,6 @@ def measure_rounds(paths: list[str], nproc: list[int], steps: int, rounds: int, 
 
 def run_tag(plan: int, round_: int) -> str:
     return f"plan{plan}" if round_ == 0 else f"plan{plan}.r{round_ + 1}"
-
-
-def load(path: str) -> dict:
-    with open(path) as fh:
-        return json.load(fh)["parallel"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                     help="skip fitting `plan calibrate` on half the runs and checking the other half")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        print(f"predict_vs_measure: --rounds: expected a positive number of runs per plan, got {args.rounds}",
+              file=sys.stderr)
+        return 2
     console = Console()
     workdir = args.workdir or tempfile.mkdtemp(prefix="meshplan-pvm-")
     os.makedirs(workdir, exist_ok=True)
@@ -207,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     for path, plan in zip(paths, plans):
         with open(path, "w") as fh:
             json.dump(plan, fh)
-    measured = measure_rounds(paths, [p["world_size"] for p in plans], args.steps, args.rounds, workdir, console)
+    measured = measure_rounds(paths, [p["world_size"] for p in plans], [label(p["parallel"]) for p in plans],
+                              args.steps, args.rounds, workdir, console)
     rows = [Row(label(plan["parallel"]), plan["predicted"]["iteration_time_s"], measured_s,
                 plan["predicted"]["peak_memory_bytes"], measured_mem, chosen=i == 0)
             for i, (plan, (measured_s, measured_mem)) in enumerate(zip(plans, measured))]

@@ -2,7 +2,6 @@
 benchmark itself is the end-to-end run; this checks only how it combines runs)."""
 
 import importlib.util
-import json
 import os
 import sys
 
@@ -22,13 +21,7 @@ def _benchmark():
 
 def test_rounds_alternate_order_and_pool_the_steps(tmp_path, monkeypatch):
     bench = _benchmark()
-    parallel = dict(dp=1, tp=1, pp=1, micro_batch_size=1, num_micro_batches=1, schedule="1f1b",
-                    virtual_stages=1, zero=0, recompute="none")
-    paths = []
-    for i in range(3):
-        path = tmp_path / f"plan{i}.json"
-        path.write_text(json.dumps({"parallel": parallel}))
-        paths.append(str(path))
+    paths = [str(tmp_path / f"plan{i}.json") for i in range(3)]
     calls = []
 
     def fake_measure(path, nproc, steps, workdir, tag):
@@ -38,7 +31,14 @@ def test_rounds_alternate_order_and_pool_the_steps(tmp_path, monkeypatch):
         return ([1.0, 2.0, 3.0] if first else [10.0, 20.0]), (100.0 if first else 50.0) * (i + 1)
 
     monkeypatch.setattr(bench, "measure", fake_measure)
-    out = bench.measure_rounds(paths, [1, 1, 1], 4, 2, str(tmp_path), Console(quiet=True))
+    out = bench.measure_rounds(paths, [1, 1, 1], ["a", "b", "c"], 4, 2, str(tmp_path), Console(quiet=True))
     assert calls == [(0, "plan0"), (1, "plan1"), (2, "plan2"), (2, "plan2.r2"), (1, "plan1.r2"), (0, "plan0.r2")]
     # median of the pooled steps [1, 2, 3, 10, 20]; the larger of the two rounds' peaks
     assert out == [(3.0, 100.0), (3.0, 200.0), (3.0, 300.0)]
+
+
+def test_rounds_must_be_positive(capsys):
+    bench = _benchmark()
+    assert bench.main(["--rounds", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--rounds: expected a positive number" in err and len(err.strip().splitlines()) == 1
