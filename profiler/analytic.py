@@ -29,29 +29,47 @@ def layer_forward_flops(spec: ModelSpec, kind: str, b: int, s: int, tp: int = 1)
 
 def layer_activation_bytes(spec: ModelSpec, kind: str, b: int, s: int, tp: int = 1, dtype: str = "bf16",
                            recompute: str = "none", sequence_parallel: bool = False) -> float:
-    """Bytes saved for backward by one layer for one micro-batch on one tensor-parallel rank.
+    """Bytes saved for backward by one layer for one micro-batch on one tensor-parallel rank, counted
+    tensor by tensor as the executor's layers (executor/model.py) and PyTorch's CUDA kernels save them.
+    tests/test_profiler_memory.py checks the count against the profiler's saved-tensor count on CPU.
 
-    Block (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-    Eq. 2-6): s·b·h·(34 + 5·a·s/h) bytes in 16-bit with dropout; with tensor parallelism
-    s·b·h·(10 + 24/t + 5·a·s/(h·t)), and with sequence parallelism everything divided by t. Selective
-    recompute drops the 5·a·s/h term (attention scores); full recompute keeps only the input 2·s·b·h.
-    Values scale with the dtype's width (the 34 counts 2-byte values and 1-byte dropout masks).
-    Head: its input plus the logits and their fp32 softmax, s·b·h·B + s·b·(V/t)·(B + 4).
+    Block, per token, in values of B bytes (t = TP degree; "÷t (SP)" = divided by t with sequence
+    parallelism):
+    - each of the two norms keeps its input, h ÷t (SP), and fp32 statistics (LayerNorm: mean and rstd;
+      RMSNorm: rstd);
+    - each norm's output, the input of q/k/v and of w1 (and w3): h, also with sequence parallelism.
+      PyTorch's SequenceParallel all-gathers before the column-parallel Linears and they save the
+      gathered input. Megatron-LM keeps the shard and gathers again in backward (Korthikanti Eq. 5);
+    - fused attention (flash / memory-efficient SDPA): q, k, v, the output (also wo's input), and an fp32
+      log-sum-exp per head; (2·q_dim + 2·kv_dim)/t with grouped-query k and v. No s² tensor:
+      Korthikanti's 5·a·s/h term counts the softmax and dropout of unfused attention;
+    - MLP per f/t: GELU keeps w1's output and the GELU output (2f); SwiGLU keeps w1's and w3's outputs, the
+      SiLU output and their product (4f). No dropout: the executor has none;
+    - rotary: its cos and sin tables, per rotated tensor, s × head_dim/2 in fp32 (not per token).
+    Selective recompute checkpoints the attention core. Its output is still wo's input, so only the
+    log-sum-exp goes: under fused attention selective saves almost nothing. Full recompute keeps the
+    block input, h ÷t (SP).
+    CPU's RMSNorm is not fused and keeps fp32 copies as well; a measured profile's ratio corrects for it.
+    Head: the norm's input and statistics (÷t with SP), its output h (gathered), and the fp32 log-softmax
+    over the whole vocabulary (the executor gathers the logits before the loss).
     Embedding: the token ids (int64).
     """
     B = DTYPE_BYTES[dtype]
-    h, a = spec.hidden_size, spec.num_heads
-    sbh = s * b * h
+    h, tokens = spec.hidden_size, s * b
+    sp = tp if sequence_parallel else 1
+    stats = 8 if spec.norm == "layernorm" else 4
+    norm_kept = (h * B + stats) / sp
     if kind == "block":
         if recompute == "full":
-            return sbh * B / (tp if sequence_parallel else 1)
-        attn_scores = 5.0 * a * s / h / tp
-        if recompute == "selective":
-            attn_scores = 0.0
-        linear = (34.0 / tp) if sequence_parallel else (10.0 + 24.0 / tp)
-        return sbh * (linear + attn_scores) * B / 2
+            return tokens * h * B / sp
+        q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        lse = 0.0 if recompute == "selective" else 4.0 * spec.num_heads / tp
+        mlp = (4 if spec.mlp == "swiglu" else 2) * spec.ffn_hidden_size
+        per_token = 2 * (norm_kept + h * B) + (2 * q_dim + 2 * kv_dim + mlp) * B / tp + lse
+        rope = 2 * 2 * s * (spec.head_dim // 2) * 4 if spec.position == "rope" else 0
+        return tokens * per_token + rope
     if kind == "head":
-        return sbh * B / (tp if sequence_parallel else 1) + s * b * (spec.vocab_size / tp) * (B + 4)
+        return tokens * (norm_kept + h * B + 4.0 * spec.vocab_size)
     if kind == "embedding":
-        return 8.0 * s * b
+        return 8.0 * tokens
     raise ValueError(f"unknown layer kind {kind!r}")

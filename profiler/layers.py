@@ -57,15 +57,23 @@ def shard_spec(spec: ModelSpec, kind: str, tp: int) -> ModelSpec:
 
 class HeadLoss(nn.Module):
     """The LM head followed by the loss on fixed targets: the head's measured forward ends in the scalar
-    loss, as the last pipeline stage's does."""
+    loss, as the last pipeline stage's does. `vocab_size` > the head's shard: the executor all-gathers
+    the vocabulary-parallel logits before the loss, so the loss (its time, and its fp32 log-softmax kept
+    for backward) covers the whole vocabulary; one process stands in for the gather by repeating its shard."""
 
-    def __init__(self, head: nn.Module, targets: torch.Tensor):
+    def __init__(self, head: nn.Module, targets: torch.Tensor, vocab_size: int | None = None):
         super().__init__()
         self.head = head
         self.targets = targets
+        self.vocab_size = vocab_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return loss_fn(self.head(x), self.targets)
+        logits = self.head(x)
+        shard = logits.shape[-1]
+        if self.vocab_size is not None and self.vocab_size > shard:
+            copies = -(-self.vocab_size // shard)
+            logits = logits.repeat(1, 1, copies)[..., :self.vocab_size]
+        return loss_fn(logits, self.targets)
 
 
 @dataclass
@@ -111,8 +119,8 @@ def build_case(spec: ModelSpec, kind: str, b: int, s: int, tp: int, dtype: str, 
             return x0.detach().requires_grad_(True)  # the pipeline also computes the input's gradient
     module = module.to(device=device, dtype=tdtype)
     if kind == "head":  # head + loss: the forward ends in the scalar loss (see `forward`)
-        targets = torch.randint(0, shard.vocab_size, (b, s), generator=gen).to(device)
-        module = HeadLoss(module, targets)
+        targets = torch.randint(0, spec.vocab_size, (b, s), generator=gen).to(device)
+        module = HeadLoss(module, targets, spec.vocab_size)
 
         def backward(loss: torch.Tensor) -> None:
             loss.backward()

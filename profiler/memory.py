@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from planner.model_spec import ModelSpec
 from profiler.layers import TORCH_DTYPES, build_case, forward
@@ -28,6 +29,8 @@ class SavedTensorCounter:
     storages: dict[int, int] = field(default_factory=dict)  # data_ptr -> nbytes
 
     def add(self, t: torch.Tensor) -> None:
+        if isinstance(t, DTensor):  # tensor-parallel layers save DTensors: count this rank's shard
+            t = t._local_tensor
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr in self.ignore or storage.nbytes() == 0:

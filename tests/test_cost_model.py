@@ -87,9 +87,12 @@ def test_memory_terms_by_hand():
     # rank 1: 8 blocks, 16 B/param, 3 micro-batches in flight (1F1B, pp=4)
     act = profile.activation_bytes("block", 1, 2048, 1, "none", False)
     assert ev.rank_memory[1] == pytest.approx(8 * block * 16 + 3 * 8 * act)
-    # Korthikanti: s·b·h·(34 + 5·a·s/h) bytes in 16-bit without TP
-    h, a, s = model.hidden_size, model.num_heads, 2048
-    assert act == pytest.approx(s * h * (34 + 5 * a * s / h))
+    # llama3-8b's block in bf16 (profiler.analytic), per token: two RMSNorm inputs (+ fp32 rstd) and outputs,
+    # q, k, v (GQA: 8 of 32 heads) and the output, SwiGLU's four f-wide tensors, fp32 log-sum-exp; + rotary tables
+    h, f, s = model.hidden_size, model.ffn_hidden_size, 2048
+    kv = model.num_kv_heads * model.head_dim
+    per_token = 2 * (2 * h + 4 + 2 * h) + 2 * (h + 2 * kv + h) + 2 * 4 * f + 4 * model.num_heads
+    assert act == pytest.approx(s * per_token + 4 * s * model.head_dim // 2 * 4)
     # rank 0 holds the embedding (untied) and 4 in-flight micro-batches
     emb = model.layers[0]
     emb_act = profile.activation_bytes("embedding", 1, 2048, 1, "none", False)

@@ -1,16 +1,23 @@
 """Activation bytes saved for backward (saved_tensors_hooks, shared storage counted once) and model state."""
 
+import os
 from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from planner.model_sources import builtin_model
 from planner.model_spec import ModelSpec, block_params
-from profiler.analytic import layer_activation_bytes
+from profiler.analytic import DTYPE_BYTES, layer_activation_bytes
+from profiler.layers import build_tp_case
 from profiler.memory import measure_activations, measure_state, saved_bytes
+from tests.executor_worker import free_port
 
 CPU = torch.device("cpu")
 
@@ -59,19 +66,76 @@ def ours_bytes(spec: ModelSpec, b: int, s: int, t: int, B: int, recompute: str) 
     return sbh * (4 + 12 / t + scores) * B + 2 * 2 * s * b * 4
 
 
+def korthikanti_published(spec: ModelSpec, b: int, s: int, t: int) -> float:
+    """Their Eq. 2/4 as published, s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes in 16-bit, in fp32 bytes (×2)."""
+    h, a = spec.hidden_size, spec.num_heads
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * 2
+
+
 @pytest.mark.parametrize("t", [1, 2])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_block_activations_match_korthikanti_without_dropout(t, recompute):
+    """With the math SDPA kernel (unfused attention) the block saves what Korthikanti et al. count."""
     b, s = 2, 128
     with sdpa_kernel(SDPBackend.MATH):
         m = measure_activations(GPT_SMALL, "block", b, s, t, "fp32", CPU, recompute)
     expected = ours_bytes(GPT_SMALL, b, s, t, 4, recompute)
     assert m.activation_bytes == pytest.approx(expected, rel=0.10)
     if recompute == "none":
-        # and the published formula, halved to 16-bit values -> fp32 bytes, is above ours by the dropout terms
-        korthikanti = layer_activation_bytes(GPT_SMALL, "block", b, s, t, "fp32")
+        # and the published formula is above ours by the dropout terms
         dropout = s * b * GPT_SMALL.hidden_size * (2 + 3 * GPT_SMALL.num_heads * s / (GPT_SMALL.hidden_size * t))
-        assert korthikanti - m.activation_bytes == pytest.approx(dropout * 4 / 2, rel=0.10)
+        assert korthikanti_published(GPT_SMALL, b, s, t) - m.activation_bytes == pytest.approx(dropout * 4 / 2,
+                                                                                                rel=0.10)
+
+
+# A llama shape as in llama3-70b: SwiGLU with f/h = 3.5, grouped-query attention (8 heads, 2 k/v heads).
+LLAMA_SMALL = ModelSpec(name="llama-small", arch="llama", vocab_size=256, hidden_size=128, num_layers=2,
+                        num_heads=8, num_kv_heads=2, ffn_hidden_size=448, max_seq_len=256)
+
+
+def cpu_rms_norm_extra(spec: ModelSpec, kind: str, b: int, s: int, B: int, recompute: str) -> float:
+    """CPU has no fused RMSNorm kernel: the composite one keeps an fp32 copy of its input and the fp32
+    normalised value (8 bytes per value) where the fused CUDA kernel, which the formula counts, keeps
+    the input (B bytes)."""
+    if spec.norm != "rmsnorm" or recompute == "full" or kind == "embedding":
+        return 0.0
+    norms = 2 if kind == "block" else 1
+    return norms * s * b * spec.hidden_size * (8 - B)
+
+
+@pytest.mark.parametrize("spec", [GPT_SMALL, LLAMA_SMALL], ids=["gpt2", "llama-gqa-f3.5"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("t", [1, 2])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_analytic_block_counts_what_the_executors_block_saves(spec, dtype, t, recompute):
+    """The formula the presets use (profiler.analytic) against the saved-tensor count of the executor's
+    block with the default SDPA kernel (flash on CPU): no s² term, SwiGLU's four f-wide tensors, GQA's
+    narrower k and v. The 1 % covers CPU's 16-bit LayerNorm statistics (the formula counts fp32)."""
+    b, s, B = 2, 64, DTYPE_BYTES[dtype]
+    m = measure_activations(spec, "block", b, s, t, dtype, CPU, recompute)
+    analytic = layer_activation_bytes(spec, "block", b, s, t, dtype, recompute)
+    assert m.activation_bytes == pytest.approx(analytic + cpu_rms_norm_extra(spec, "block", b, s, B, recompute),
+                                               rel=0.01)
+
+
+@pytest.mark.parametrize("spec", [GPT_SMALL, LLAMA_SMALL], ids=["gpt2", "llama-gqa-f3.5"])
+@pytest.mark.parametrize("t", [1, 2])
+def test_analytic_head_counts_the_whole_vocabularys_log_softmax(spec, t):
+    """The executor gathers the vocabulary-parallel logits before the loss: the head keeps an fp32
+    log-softmax over the whole vocabulary on every TP rank, and so does the profiler's head case."""
+    b, s = 2, 64
+    m = measure_activations(spec, "head", b, s, t, "bf16", CPU)
+    analytic = layer_activation_bytes(spec, "head", b, s, t, "bf16")
+    assert m.activation_bytes == pytest.approx(analytic + cpu_rms_norm_extra(spec, "head", b, s, 2, "none"),
+                                               rel=0.01)
+    assert analytic > b * s * spec.vocab_size * 4
+
+
+def test_selective_recompute_saves_only_the_log_sum_exp_under_fused_attention():
+    """Checkpointing the attention core drops its log-sum-exp only: its output is still wo's input."""
+    none = layer_activation_bytes(LLAMA_SMALL, "block", 1, 8192, 1, "bf16", "none")
+    selective = layer_activation_bytes(LLAMA_SMALL, "block", 1, 8192, 1, "bf16", "selective")
+    assert none - selective == 8192 * LLAMA_SMALL.num_heads * 4
 
 
 def test_flash_kernel_saves_no_attention_scores():
@@ -102,3 +166,42 @@ def test_embedding_and_head_activations():
     assert emb.activation_bytes == 8 * 2 * 16  # the int64 token ids
     head = measure_activations(spec, "head", 2, 16, 2, "fp32", CPU)
     assert head.activation_bytes > 2 * 16 * (spec.vocab_size // 2) * 4  # at least the logits shard
+
+
+def _sequence_parallel_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        rows = []
+        for name, spec in (("gpt2", GPT_SMALL), ("llama", LLAMA_SMALL)):
+            for kind in ("block", "head"):
+                case = build_tp_case(spec, kind, 2, 64, mesh, "bf16", CPU)
+                params = [p._local_tensor if isinstance(p, DTensor) else p for p in case.parameters()]
+                x = case.make_input()
+                counter, out = saved_bytes(lambda c: case.module(x), params)
+                rows.append(f"{name} {kind} {counter.bytes}")
+                del out
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(os.path.join(out_dir, "saved.txt"), "w") as fh:
+            fh.write("\n".join(rows))
+
+
+@pytest.mark.slow
+def test_analytic_sequence_parallel_counts_pytorchs_gathered_norm_outputs(tmp_path):
+    """The executor's own TP + sequence parallelism on 2 gloo ranks (profiler.layers.build_tp_case runs
+    executor.parallelize.apply_tp): the norms keep their sequence shard, but the q/k/v and w1/w3 Linears
+    keep the all-gathered whole sequence, unlike Megatron-LM's sequence parallelism (Korthikanti Eq. 5)."""
+    mp.spawn(_sequence_parallel_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    specs = {"gpt2": GPT_SMALL, "llama": LLAMA_SMALL}
+    for line in (tmp_path / "saved.txt").read_text().split("\n"):
+        name, kind, measured = line.split()
+        spec = specs[name]
+        analytic = layer_activation_bytes(spec, kind, 2, 64, 2, "bf16", "none", sequence_parallel=True)
+        extra = cpu_rms_norm_extra(spec, kind, 2, 64, 2, "none") / 2  # the norms run on a sequence shard
+        assert float(measured) == pytest.approx(analytic + extra, rel=0.01), line
+        gathered = 2 * 64 * spec.hidden_size * 2 * (2 if kind == "block" else 1)  # norm outputs, whole sequence
+        assert analytic > gathered
