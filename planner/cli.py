@@ -91,7 +91,8 @@ def main_parser() -> argparse.ArgumentParser:
     c.add_argument("--schedule", choices=SCHEDULES)
     c.add_argument("--recompute", choices=RECOMPUTE,
                    help="activation recomputation: selective checkpoints every block's attention core "
-                        "(Korthikanti et al.); full, whole blocks (the planner picks how many per stage)")
+                        "(Korthikanti et al.; under fused attention it frees only the log-sum-exp); full, "
+                        "whole blocks (the planner picks how many per stage)")
     c.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO / FSDP level for data parallelism")
     c.add_argument("--memory-margin", type=fraction, default=0.1, metavar="F",
                    help="fraction of device memory kept free for fragmentation and workspace (default: 0.1)")
