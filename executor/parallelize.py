@@ -7,6 +7,7 @@ FULL initial value of each parameter, so every plan starts from the same model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -24,7 +25,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from executor.model import Transformer, init_value
+from executor.model import Transformer, init_value, loss_fn
 from planner.plan import ParallelConfig
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -36,14 +37,25 @@ def vocab_parallel(model: Transformer, tp: int) -> bool:
     return model.spec.vocab_size % tp == 0
 
 
+def vocab_parallel_loss(tp_mesh: DeviceMesh) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Cross-entropy on this rank's vocabulary shard of the logits (torchtitan's loss parallelism): the
+    log-softmax all-reduces its max and sum over the TP group instead of gathering b·s·V logits on every
+    rank. Forward and backward must both run under `torch.distributed.tensor.parallel.loss_parallel()`."""
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        sharded = DTensor.from_local(logits, tp_mesh, [Shard(logits.ndim - 1)], run_check=False)
+        return loss_fn(sharded, targets).to_local()
+    return loss
+
+
 def _gather_sequence() -> PrepareModuleInput:
     return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Megatron-style TP with DTensor: q/k/v and w1/w3 column-wise, wo and w2 row-wise; vocab-parallel
-    embedding and head; with sequence parallel the norms run on sequence shards and every block's
-    input and output is a local tensor sharded on the sequence dim (use_local_output=True)."""
+    embedding and head (the head's logits stay sharded for `vocab_parallel_loss`); with sequence
+    parallel the norms run on sequence shards and every block's input and output is a local tensor
+    sharded on the sequence dim (use_local_output=True)."""
     tp = tp_mesh.size()
     spec = model.spec
     for what, n in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
@@ -80,8 +92,8 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
             head_plan["norm"] = SequenceParallel(use_local_output=True)
             if not vocab:
                 head_plan["output"] = _gather_sequence()
-        if vocab:
-            head_plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+        if vocab:  # logits stay sharded over the vocabulary: the loss is vocab-parallel (vocab_parallel_loss)
+            head_plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1))
         if head_plan:
             parallelize_module(model.head, tp_mesh, head_plan)
     if tied:  # both sides were sharded Shard(0) over the vocabulary: share one parameter again

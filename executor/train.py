@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from executor import checkpoint
 from executor.checks import check_supported
@@ -28,7 +29,7 @@ from executor.data import SyntheticData, TokenFile
 from executor.metrics import Metrics, log, peak_memory_bytes, tensor_bytes, track_cpu_allocations
 from executor.model import Transformer, loss_fn
 from executor.parallel_dims import ParallelDims, build_parallel_dims
-from executor.parallelize import TORCH_DTYPES, apply_ac, apply_dp, apply_tp, materialise
+from executor.parallelize import TORCH_DTYPES, apply_ac, apply_dp, apply_tp, materialise, vocab_parallel_loss
 from executor.pipeline import apply_pp, local_stages
 from planner.plan import Plan
 from planner.report import human_bytes
@@ -144,6 +145,9 @@ class Trainer:
         self.scaler = LossScaler(p.dtype == "fp16")
         self.tied_split = plan.model.tied_embeddings and len(plan.stages) > 1
         self.tied_group, self.tied_copies = self._tied_setup()
+        vocab_sharded = p.tp > 1 and plan.model.vocab_size % p.tp == 0  # parallelize.vocab_parallel
+        self.loss = vocab_parallel_loss(self.dims.mesh["tp"]) if vocab_sharded else loss_fn
+        self.loss_context = loss_parallel if vocab_sharded else contextlib.nullcontext
         self.schedule = apply_pp(plan, self.dims, self.modules, self._scaled_loss) if p.pp > 1 else None
         self.has_first = any(s.stage == 0 for s in self.stage_plans)
         self.has_last = any(s.stage == len(plan.stages) - 1 for s in self.stage_plans)
@@ -208,7 +212,7 @@ class Trainer:
                 g.copy_(total)
 
     def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return loss_fn(logits, targets) * self.scaler.scale
+        return self.loss(logits, targets) * self.scaler.scale
 
     def _amp(self):
         if not self.autocast:
@@ -217,6 +221,10 @@ class Trainer:
 
     def forward_backward(self, step: int) -> torch.Tensor:
         """Run one global batch; return this rank's mean loss (0 on ranks without the last stage)."""
+        with self.loss_context():  # vocab-parallel loss: its forward and backward (entered once: not reentrant)
+            return self._forward_backward(step)
+
+    def _forward_backward(self, step: int) -> torch.Tensor:
         p = self.plan.parallel
         x, y = self.data.inputs_targets(step)
         x, y = x.to(self.device), y.to(self.device)

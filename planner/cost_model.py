@@ -267,9 +267,9 @@ class Workspace:
     can set a rank's peak (measured with the executor's CPU memory tracking: tied gpt-20m, one process,
     b1x4 386.1 MiB = state 314 + 72 at the embedding's backward):
     `act[r]`: at the last stage's first backward, with every in-flight micro-batch's activations alive:
-    the loss backward (gradient of the log-softmax output and of the logits, b·s·V fp32 each: loss_fn
-    upcasts, and the vocab-parallel head still replicates its logits), or the logits' gradient plus a
-    new LM-head weight gradient waiting to be accumulated.
+    the loss backward (gradient of the log-softmax output and of the logits, b·s·V/t fp32 each: loss_fn
+    upcasts; the loss is vocabulary-parallel, V/t per TP rank), or the logits' gradient plus a new LM-head
+    weight gradient waiting to be accumulated.
     `emb[r]`: at the first stage's embedding backward, one micro-batch's activations already freed: the
     dense embedding gradient, which a tied head in the same module sums out of place with the head's
     (3 V·h tensors), or adds into the accumulated gradient (1; m = 1 untied: it is the gradient).
@@ -295,7 +295,7 @@ def step_transients(model: ModelSpec, device_kind: str, cand: Candidate, s: int,
     tied_one = model.tied_embeddings and S == 1
     accumulating = cand.m > 1
     act, emb, opt = [0.0] * pp, [0.0] * pp, [0.0] * pp
-    logits = cand.b * s * model.vocab_size * 4.0
+    logits = cand.b * s * model.vocab_size / vocab_tp * 4.0
     act[rank[-1]] += max(2.0 * logits, logits + (table * grad if accumulating or tied_one else 0.0))
     emb[rank[0]] += table * grad * (3 if tied_one else 1 if accumulating else 0)
     per_layer = [0.0] * len(model.layers)

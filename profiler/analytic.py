@@ -51,7 +51,8 @@ def layer_activation_bytes(spec: ModelSpec, kind: str, b: int, s: int, tp: int =
     block input, h ÷t (SP).
     CPU's RMSNorm is not fused and keeps fp32 copies as well; a measured profile's ratio corrects for it.
     Head: the norm's input and statistics (÷t with SP), its output h (gathered), and the fp32 log-softmax
-    over the whole vocabulary (the executor gathers the logits before the loss).
+    of the loss over the rank's vocabulary shard, V/t (the executor's loss is vocabulary-parallel; V when
+    t does not divide V and the head is replicated).
     Embedding: the token ids (int64).
     """
     B = DTYPE_BYTES[dtype]
@@ -69,7 +70,8 @@ def layer_activation_bytes(spec: ModelSpec, kind: str, b: int, s: int, tp: int =
         rope = 2 * 2 * s * (spec.head_dim // 2) * 4 if spec.position == "rope" else 0
         return tokens * per_token + rope
     if kind == "head":
-        return tokens * (norm_kept + h * B + 4.0 * spec.vocab_size)
+        vocab = spec.vocab_size / tp if spec.vocab_size % tp == 0 else spec.vocab_size
+        return tokens * (norm_kept + h * B + 4.0 * vocab)
     if kind == "embedding":
         return 8.0 * tokens
     raise ValueError(f"unknown layer kind {kind!r}")

@@ -2,23 +2,25 @@
 
 A tensor-parallel rank of degree t computes a block with heads/t query heads, kv_heads/t key/value heads
 and ffn/t hidden MLP units (column-/row-wise sharded Linears; norms replicated, hidden size unchanged),
-and a head with vocab/t logits. One device can therefore measure what a TP rank computes without the
-collectives, which the profiler times separately as links.
+and a head with vocab/t logits (and the loss over them: the executor's loss is vocabulary-parallel). One
+device can therefore measure what a TP rank computes without the collectives, which the profiler
+times separately as links.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.overrides import TorchFunctionMode
 
 from executor.model import Block, Embedding, Head, loss_fn
-from executor.parallelize import checkpointed_block, recompute_attention_core
+from executor.parallelize import checkpointed_block, recompute_attention_core, vocab_parallel_loss
 from planner.errors import InputError
 from planner.model_spec import ModelSpec
 
@@ -50,30 +52,29 @@ def shard_spec(spec: ModelSpec, kind: str, tp: int) -> ModelSpec:
                              f"({spec.num_kv_heads}) and MLP width ({spec.ffn_hidden_size}) of '{spec.name}'")
         return replace(spec, num_heads=spec.num_heads // tp, num_kv_heads=spec.num_kv_heads // tp,
                        ffn_hidden_size=spec.ffn_hidden_size // tp, layers=())
-    if kind == "head":
-        return replace(spec, vocab_size=-(-spec.vocab_size // tp), tied_embeddings=False, layers=())
+    if kind == "head":  # vocabulary-parallel when tp divides it, else replicated (executor.parallelize)
+        vocab = spec.vocab_size // tp if spec.vocab_size % tp == 0 else spec.vocab_size
+        return replace(spec, vocab_size=vocab, tied_embeddings=False, layers=())
     return spec  # the embedding is not sharded by the plans meshplan makes
 
 
 class HeadLoss(nn.Module):
     """The LM head followed by the loss on fixed targets: the head's measured forward ends in the scalar
-    loss, as the last pipeline stage's does. `vocab_size` > the head's shard: the executor all-gathers
-    the vocabulary-parallel logits before the loss, so the loss (its time, and its fp32 log-softmax kept
-    for backward) covers the whole vocabulary; one process stands in for the gather by repeating its shard."""
+    loss, as the last pipeline stage's does. A vocabulary-parallel head's loss is the executor's
+    `vocab_parallel_loss` over the logits' shard (`loss`), run under `loss_parallel` (`context`)."""
 
-    def __init__(self, head: nn.Module, targets: torch.Tensor, vocab_size: int | None = None):
+    def __init__(self, head: nn.Module, targets: torch.Tensor,
+                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = loss_fn,
+                 context: Callable[[], AbstractContextManager] = nullcontext):
         super().__init__()
         self.head = head
         self.targets = targets
-        self.vocab_size = vocab_size
+        self.loss = loss
+        self.context = context
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.head(x)
-        shard = logits.shape[-1]
-        if self.vocab_size is not None and self.vocab_size > shard:
-            copies = -(-self.vocab_size // shard)
-            logits = logits.repeat(1, 1, copies)[..., :self.vocab_size]
-        return loss_fn(logits, self.targets)
+        with self.context():
+            return self.loss(self.head(x), self.targets)
 
 
 @dataclass
@@ -119,8 +120,8 @@ def build_case(spec: ModelSpec, kind: str, b: int, s: int, tp: int, dtype: str, 
             return x0.detach().requires_grad_(True)  # the pipeline also computes the input's gradient
     module = module.to(device=device, dtype=tdtype)
     if kind == "head":  # head + loss: the forward ends in the scalar loss (see `forward`)
-        targets = torch.randint(0, spec.vocab_size, (b, s), generator=gen).to(device)
-        module = HeadLoss(module, targets, spec.vocab_size)
+        targets = torch.randint(0, shard.vocab_size, (b, s), generator=gen).to(device)
+        module = HeadLoss(module, targets)
 
         def backward(loss: torch.Tensor) -> None:
             loss.backward()
@@ -166,7 +167,14 @@ def build_tp_case(spec: ModelSpec, kind: str, b: int, s: int, tp_mesh, dtype: st
         module = model.blocks["0"] if kind == "block" else model.head
     if kind == "head":
         targets = torch.randint(0, spec.vocab_size, (b, s), generator=gen).to(device)
-        return LayerCase(kind, HeadLoss(module, targets), make_input, lambda loss: loss.backward())
+        if spec.vocab_size % tp:  # replicated head: the plain loss
+            return LayerCase(kind, HeadLoss(module, targets), make_input, lambda loss: loss.backward())
+
+        def backward(loss: torch.Tensor) -> None:
+            with loss_parallel():
+                loss.backward()
+        head = HeadLoss(module, targets, vocab_parallel_loss(tp_mesh), loss_parallel)
+        return LayerCase(kind, head, make_input, backward)
     grad = torch.randn(*local, generator=gen).to(device=device, dtype=TORCH_DTYPES[dtype])
     return LayerCase(kind, module, make_input, lambda out: out.backward(grad))
 

@@ -15,12 +15,15 @@ the slower rank): the profile keeps their in-situ cost relative to the link fit.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.parallel import loss_parallel
 
 from executor.model import loss_fn
+from executor.parallelize import vocab_parallel_loss
 from planner.model_spec import ModelSpec, wrapped_unit_params
 from profiler.compute import TimingConfig, typical_time
 from profiler.layers import TORCH_DTYPES
@@ -56,7 +59,7 @@ def _model(spec: ModelSpec, blocks: int, device: torch.device, dtype: str, mesh=
 
 
 def _pass_time(model, b: int, s: int, spec: ModelSpec, device: torch.device, cfg: TimingConfig,
-               sync: bool | None = None, zero: int = 0) -> float:
+               sync: bool | None = None, zero: int = 0, tp_mesh=None) -> float:
     """Typical forward + backward seconds of a pass (a fixed count: wrapped ranks run them in lockstep).
     sync=False: gradient-accumulation micro-batches as the executor runs them (nothing reduced; below
     ZeRO-3 parameters stay gathered); sync=True: every pass reduces its gradients (the last micro-batch)."""
@@ -67,7 +70,13 @@ def _pass_time(model, b: int, s: int, spec: ModelSpec, device: torch.device, cfg
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, spec.vocab_size, (b, s), generator=gen).to(device)
     targets = torch.randint(0, spec.vocab_size, (b, s), generator=gen).to(device)
-    return typical_time(lambda: loss_fn(model(tokens), targets).backward(), device, cfg.warmup, cfg.repeats)
+    vocab_sharded = tp_mesh is not None and spec.vocab_size % tp_mesh.size() == 0  # as the executor's loss
+    loss = vocab_parallel_loss(tp_mesh) if vocab_sharded else loss_fn
+
+    def one() -> None:
+        with loss_parallel() if vocab_sharded else nullcontext():
+            loss(model(tokens), targets).backward()
+    return typical_time(one, device, cfg.warmup, cfg.repeats)
 
 
 def _optimizer_time(model, device: torch.device, cfg: TimingConfig, foreach: bool | None = None) -> float:
@@ -148,7 +157,8 @@ def measure_chains(spec: ModelSpec, sizes: list[int], s: int, dtype: str, device
     blocks = max(1, min(blocks, spec.num_layers))
     model = _model(spec, blocks, device, dtype, tp_mesh=tp_mesh)
     if tp_mesh is not None:
-        return [ChainSample(b, s, blocks, _pass_time(model, b, s, spec, device, cfg), tp=tp_mesh.size())
+        return [ChainSample(b, s, blocks, _pass_time(model, b, s, spec, device, cfg, tp_mesh=tp_mesh),
+                            tp=tp_mesh.size())
                 for b in sizes]
     return [ChainSample(b, s, blocks, _pass_time(model, b, s, spec, device, cfg),
                         _split_extra(model, b, s, spec, device, cfg)) for b in sizes]

@@ -119,16 +119,17 @@ def test_analytic_block_counts_what_the_executors_block_saves(spec, dtype, t, re
 
 
 @pytest.mark.parametrize("spec", [GPT_SMALL, LLAMA_SMALL], ids=["gpt2", "llama-gqa-f3.5"])
-@pytest.mark.parametrize("t", [1, 2])
-def test_analytic_head_counts_the_whole_vocabularys_log_softmax(spec, t):
-    """The executor gathers the vocabulary-parallel logits before the loss: the head keeps an fp32
-    log-softmax over the whole vocabulary on every TP rank, and so does the profiler's head case."""
+@pytest.mark.parametrize("t", [1, 2, 3])
+def test_analytic_head_counts_the_log_softmax_of_its_vocabulary_shard(spec, t):
+    """The executor's loss is vocabulary-parallel: a TP rank keeps the fp32 log-softmax of its V/t logits
+    (the whole V when t does not divide V: the head is replicated, t = 3 here)."""
     b, s = 2, 64
     m = measure_activations(spec, "head", b, s, t, "bf16", CPU)
     analytic = layer_activation_bytes(spec, "head", b, s, t, "bf16")
     assert m.activation_bytes == pytest.approx(analytic + cpu_rms_norm_extra(spec, "head", b, s, 2, "none"),
                                                rel=0.01)
-    assert analytic > b * s * spec.vocab_size * 4
+    vocab = spec.vocab_size if t == 3 else spec.vocab_size // t
+    assert b * s * vocab * 4 < analytic < b * s * (vocab * 4 + 3 * spec.hidden_size * 2)
 
 
 def test_selective_recompute_saves_only_the_log_sum_exp_under_fused_attention():
@@ -193,8 +194,9 @@ def _sequence_parallel_worker(rank: int, world: int, port: int, out_dir: str) ->
 @pytest.mark.slow
 def test_analytic_sequence_parallel_counts_pytorchs_gathered_norm_outputs(tmp_path):
     """The executor's own TP + sequence parallelism on 2 gloo ranks (profiler.layers.build_tp_case runs
-    executor.parallelize.apply_tp): the norms keep their sequence shard, but the q/k/v and w1/w3 Linears
-    keep the all-gathered whole sequence, unlike Megatron-LM's sequence parallelism (Korthikanti Eq. 5)."""
+    executor.parallelize.apply_tp and its vocabulary-parallel loss): the norms keep their sequence shard,
+    but the q/k/v and w1/w3 Linears keep the all-gathered whole sequence, unlike Megatron-LM's sequence
+    parallelism (Korthikanti Eq. 5); the head keeps the log-softmax of its vocabulary shard."""
     mp.spawn(_sequence_parallel_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     specs = {"gpt2": GPT_SMALL, "llama": LLAMA_SMALL}
     for line in (tmp_path / "saved.txt").read_text().split("\n"):
