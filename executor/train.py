@@ -239,9 +239,11 @@ class Trainer:
         model, n = self.modules[0], p.num_micro_batches
         total = torch.zeros((), dtype=torch.float64)
         for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
-            if p.dp > 1 and n > 1:  # accumulate locally; reduce (and, below ZeRO-3, reshard) once at the end
-                model.set_requires_gradient_sync(i == n - 1)
-                if p.zero <= 2:
+            if p.dp > 1 and n > 1:
+                if p.zero <= 1:  # accumulate full gradients locally; reduce once at the end (DDP's no_sync)
+                    model.set_requires_gradient_sync(i == n - 1)
+                # ZeRO-2/3 reduce-scatter every micro-batch: gradients stay sharded (planner.cost_model.grad_sync)
+                if p.zero <= 2:  # below ZeRO-3 the parameters stay gathered until the last micro-batch
                     model.set_reshard_after_backward(i == n - 1)
             with self._amp():
                 loss = self._scaled_loss(model(xm), ym) / n

@@ -131,12 +131,32 @@ def dp_ops(zero: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     (Li et al. VLDB'20, DDP no_sync); ZeRO-1/2 (FSDP2 keeping parameters gathered between micro-batches)
     reduce-scatter them and all-gather the updated parameter shards at the next forward (Rajbhandari et
     al. SC'20 §5.2); ZeRO-3 reduce-scatters once and all-gathers the parameters before every forward and
-    again before every backward (SC'20 §5.3; FSDP2 reshards after forward)."""
+    again before every backward (SC'20 §5.3; FSDP2 reshards after forward). ZeRO-2/3 without pipelining
+    repeat the reduce-scatter every micro-batch instead (`grad_sync`)."""
     if zero == 0:
         return ("all_reduce",), ()
     if zero <= 2:
         return ("reduce_scatter", "all_gather"), ()
     return ("reduce_scatter",), ("all_gather", "all_gather")
+
+
+@dataclass(frozen=True)
+class GradSync:
+    """How the executor reduces a step's data-parallel gradients over its m micro-batches
+    (executor/train.py). `full_grads`: unsharded gradients are held between micro-batches because
+    the reduction waits for the last one. `reductions`: gradient reductions per iteration."""
+
+    full_grads: bool
+    reductions: int
+
+
+def grad_sync(cand: Candidate) -> GradSync:
+    """ZeRO-2/3 without pipelining reduce-scatter every micro-batch, so gradients stay sharded (as DeepSpeed
+    and torchtitan run them). ZeRO-0/1 reduce once after the last micro-batch (DDP's no_sync), and so
+    does every pipelined plan: torch.distributed.pipelining skips the reduction until a stage's last
+    backward."""
+    every = cand.zero >= 2 and cand.pp == 1 and cand.dp > 1 and cand.m > 1
+    return GradSync(full_grads=cand.m > 1 and not every, reductions=cand.m if every else 1)
 
 
 def _link_time(profile, ops: tuple[str, ...], nbytes: float, dp: int, link_class: str) -> float:
@@ -157,14 +177,17 @@ def in_situ_factor(profile, zero: int) -> float | None:
     return w.sync_s / ref if ref > 0 else None
 
 
-def dp_sync_time(profile, params: float, dtype: str, dp: int, zero: int, link_class: str) -> float:
-    """Data-parallel traffic once per iteration for one unit of `params` (already ÷tp), `dp_ops`; scaled by
-    the engine's in-situ factor when the profiler measured it (then it is the exposed time: see
-    `unhidden_share`)."""
+def dp_sync_time(profile, params: float, dtype: str, dp: int, zero: int, link_class: str,
+                 reductions: int = 1) -> float:
+    """Data-parallel traffic per iteration for one unit of `params` (already ÷tp): `dp_ops` once, and its
+    gradient reduction (the first op) `reductions` times in all (`GradSync`); scaled by the engine's
+    in-situ factor when the profiler measured it (then it is the exposed time: see `unhidden_share`)."""
     if dp <= 1:
         return 0.0
     ops, _ = dp_ops(zero)
-    t = _link_time(profile, ops, params * DTYPE_BYTES[dtype], dp, link_class)
+    nbytes = params * DTYPE_BYTES[dtype]
+    t = _link_time(profile, ops, nbytes, dp, link_class) + \
+        (reductions - 1) * _link_time(profile, ops[:1], nbytes, dp, link_class)
     k = in_situ_factor(profile, zero)
     return t * (k if k is not None else 1.0) * profile.correction("dp_comm")
 
@@ -251,8 +274,9 @@ def state_bytes_per_param(dtype: str, zero: int, dp: int, accumulating: bool = F
     activation peak of a step as the executor runs it. FSDP2 (ZeRO ≥ 1, dp > 1) keeps each parameter's
     fp32 shard, and below ZeRO-3 also the gathered parameter for the whole step; with mixed precision
     the shard is the master copy already in the 12 optimizer bytes, in fp32 it adds p/dp. Micro-batches
-    that skip the reduction keep unsharded gradients (executor/train.py), so with gradient accumulation
-    (`accumulating`, m > 1) ZeRO-2/3 hold full gradients too (torch FSDPParamGroup.post_backward)."""
+    that skip the reduction keep unsharded gradients (torch FSDPParamGroup.post_backward), so where the
+    reduction waits for the last micro-batch (`accumulating`: `GradSync.full_grads`) ZeRO-2/3 hold full
+    gradients too."""
     p, g, o = STATE_BYTES[dtype]
     if dp <= 1 or zero == 0:
         return p, g, o
@@ -586,11 +610,11 @@ class Terms:
         return self._get(("hop", b, tp, link),
                          lambda: pp_comm_time(self.profile, b, self.s, h, tp, self.dtype, tp > 1, link))
 
-    def per_layer(self, tp: int, dp: int, zero: int, link: str, accumulating: bool = False
+    def per_layer(self, tp: int, dp: int, zero: int, link: str, sync: GradSync = GradSync(False, 1)
                   ) -> tuple[list, list, list, list]:
         """(state bytes, optimizer s, per-iteration DP sync s, per-micro-batch sharded DP s) of every layer."""
         def make():
-            pb, gb, ob = state_bytes_per_param(self.dtype, zero, dp, accumulating)
+            pb, gb, ob = state_bytes_per_param(self.dtype, zero, dp, sync.full_grads)
             by_params: dict[tuple, tuple] = {}
             out: tuple[list, list, list, list] = ([], [], [], [])
             in_situ = dp > 1 and self.profile.wrapper(zero) is not None
@@ -603,11 +627,11 @@ class Terms:
                         sharded_dp_time(self.profile, w, self.dtype, dp, zero, link)
                     by_params[key] = (
                         w * (pb + gb + ob), optimizer_time(self.profile, w, dp, zero),
-                        dp_sync_time(self.profile, w, self.dtype, dp, zero, link), per_mb)
+                        dp_sync_time(self.profile, w, self.dtype, dp, zero, link, sync.reductions), per_mb)
                 for lst, value in zip(out, by_params[key]):
                     lst.append(value)
             return out
-        return self._get(("layer", tp, dp, zero, link, accumulating), make)
+        return self._get(("layer", tp, dp, zero, link, sync), make)
 
 
 def crossings(rank: list[int], k: int) -> int:
@@ -628,7 +652,8 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
     bwd = [rows[k][1] for k in kinds]
     time = [rows[k][0] + rows[k][1] + rows[k][2] for k in kinds]
     act = [rows[k][3] for k in kinds]
-    state, opt, dps, gather = terms.per_layer(tp, dp, zero, links.dp, cand.m > 1)
+    sync = grad_sync(cand)
+    state, opt, dps, gather = terms.per_layer(tp, dp, zero, links.dp, sync)
     rec_time, rec_saving, rec_tp = terms.recompute(b, tp, cand.recompute)
     S = cand.num_stages
     rank = [stage_rank(k, pp, cand.schedule, v) for k in range(S)]
@@ -637,7 +662,7 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
     boundary = [root + pipeline_stage_time(profile, hop, crossings(rank, k), cand.schedule,
                                            unfused_share(cand.schedule, pp, cand.m, rank[k]), b) for k in range(S)]
     inflight = [in_flight(cand.schedule, pp, v, cand.m, r) for r in range(pp)]
-    state_bytes = state_bytes_per_param(dtype, zero, dp, cand.m > 1)
+    state_bytes = state_bytes_per_param(dtype, zero, dp, sync.full_grads)
     tied = sum(layer.tied_params for layer in model.layers if layer.kind == "head")
     fixed = fixed_bytes(pp, rank, tied / tp * sum(state_bytes),
                         gather_workspace(model, tp, dtype) if zero >= 3 and dp > 1 else 0.0)

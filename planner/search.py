@@ -20,6 +20,7 @@ from planner.constraints import Constraints
 from planner.cost_model import (
     Candidate,
     Evaluation,
+    GradSync,
     StageProblem,
     Terms,
     bubble_micro_batches,
@@ -28,6 +29,7 @@ from planner.cost_model import (
     evaluate,
     fixed_bytes,
     gather_workspace,
+    grad_sync,
     grads_idle,
     in_flight,
     least_recompute,
@@ -173,7 +175,7 @@ class Search:
         gsum = sum(n * rows[k][1] for k, n in q.counts.items())
         tsum = sum(n * (rows[k][0] + rows[k][1] + rows[k][2]) for k, n in q.counts.items())
         tmax = max(rows[k][0] + rows[k][1] + rows[k][2] for k in q.counts)
-        agg = self._layer_sums(tp, cand.dp, cand.zero, links.dp, cand.m > 1)
+        agg = self._layer_sums(tp, cand.dp, cand.zero, links.dp, grad_sync(cand))
         rank = self._ranks(pp, cand.schedule, cand.v)
         hop = self.terms.hop(b, tp, links.pp) if pp > 1 else 0.0
         pipe = sum(pipeline_stage_time(self.profile, hop, crossings(rank, k), cand.schedule,
@@ -222,10 +224,10 @@ class Search:
             (problem.act[i] - (saving if kind == "block" else 0.0)) * k for i, kind in enumerate(problem.kinds))
         return need / (problem.pp * self.mem_limit)
 
-    def _layer_sums(self, tp: int, dp: int, zero: int, link: str, accumulating: bool) -> dict:
-        key = ("sums", tp, dp, zero, link, accumulating)
+    def _layer_sums(self, tp: int, dp: int, zero: int, link: str, sync: GradSync) -> dict:
+        key = ("sums", tp, dp, zero, link, sync)
         if key not in self.terms.memo:
-            state, opt, dps, gather = self.terms.per_layer(tp, dp, zero, link, accumulating)
+            state, opt, dps, gather = self.terms.per_layer(tp, dp, zero, link, sync)
             kinds = self.quick.kinds
             blocks = [i for i, k in enumerate(kinds) if k == "block"]
             self.terms.memo[key] = dict(
@@ -233,7 +235,7 @@ class Search:
                 block_state=sum(state[i] for i in blocks),
                 block_state_min=min((state[i] for i in blocks), default=0.0),
                 ends=[(i, state[i], k) for i, k in enumerate(kinds) if k != "block"],
-                state_bytes=state_bytes_per_param(self.c.dtype, zero, dp, accumulating),
+                state_bytes=state_bytes_per_param(self.c.dtype, zero, dp, sync.full_grads),
                 workspace=gather_workspace(self.model, tp, self.c.dtype))
         return self.terms.memo[key]
 
@@ -469,7 +471,7 @@ def _parallel(search: Search, scored: Scored) -> ParallelConfig:
 def to_plan(search: Search, results: list[Scored], stats: SearchStats) -> Plan:
     best = results[0]
     cand, sol = best.cand, best.solution
-    pb, gb, ob = state_bytes_per_param(search.c.dtype, cand.zero, cand.dp, cand.m > 1)
+    pb, gb, ob = state_bytes_per_param(search.c.dtype, cand.zero, cand.dp, grad_sync(cand).full_grads)
     total = pb + gb + ob
     ev = evaluate(best.problem, sol.bounds, sol.recompute, (pb / total, gb / total, ob / total))
     stages, m = [], cand.m

@@ -330,3 +330,18 @@ def test_in_situ_factor_takes_the_units_from_the_model():
     assert in_situ_factor(profile, 0) == pytest.approx(0.05 / ref)
     profile.wrappers = [replace(right, unit_params=units[:-1] + [99072])]  # as stored before this fix
     assert in_situ_factor(profile, 0) == pytest.approx(0.05 / ref)
+
+
+def test_zero2_without_pipelining_keeps_gradients_sharded_and_reduces_every_micro_batch():
+    """executor/train.py: ZeRO-2/3 at pp = 1 reduce-scatter each of the m micro-batches (sharded
+    gradients, m reduce-scatters); ZeRO-1, and any pipelined plan, hold full gradients and reduce once."""
+    model, profile, z1 = _problem(dp=8, pp=1, zero=1, m=4)
+    _, _, z2 = _problem(dp=8, pp=1, zero=2, m=4)
+    block = model.layers[1].params
+    assert z1.state[1] - z2.state[1] == pytest.approx(block * 2 * (1 - 1 / 8))  # bf16 gradients ÷ dp
+    reduce_scatter = sum(profile.collective_time("reduce_scatter", layer.params * 2, 8, "intra_node")
+                         for layer in model.layers)
+    assert sum(z2.dp) - sum(z1.dp) == pytest.approx(3 * reduce_scatter)
+    _, _, z2_pipelined = _problem(dp=4, pp=2, zero=2, m=4)
+    _, _, z1_pipelined = _problem(dp=4, pp=2, zero=1, m=4)
+    assert z2_pipelined.state == z1_pipelined.state and z2_pipelined.dp == z1_pipelined.dp
