@@ -8,6 +8,7 @@ FULL initial value of each parameter, so every plan starts from the same model.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 
 import torch
@@ -22,6 +23,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
@@ -35,6 +37,16 @@ WRAPPED = "_checkpoint_wrapped_module."
 def vocab_parallel(model: Transformer, tp: int) -> bool:
     """Embedding and LM head are sharded over the vocabulary when it divides evenly, else replicated."""
     return model.spec.vocab_size % tp == 0
+
+
+def tp_loss(model: Transformer, tp_mesh: DeviceMesh | None
+            ) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], Callable[[], AbstractContextManager]]:
+    """The loss of a model tensor-parallel over `tp_mesh` (None: not), and the context its forward and
+    backward must run in: `vocab_parallel_loss` under `loss_parallel` when the head is vocabulary-parallel,
+    else the plain loss."""
+    if tp_mesh is None or tp_mesh.size() == 1 or not vocab_parallel(model, tp_mesh.size()):
+        return loss_fn, nullcontext
+    return vocab_parallel_loss(tp_mesh), loss_parallel
 
 
 def vocab_parallel_loss(tp_mesh: DeviceMesh) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

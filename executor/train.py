@@ -20,16 +20,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from executor import checkpoint
 from executor.checks import check_supported
 from executor.data import Shard as DataShard
 from executor.data import SyntheticData, TokenFile
 from executor.metrics import Metrics, log, peak_memory_bytes, tensor_bytes, track_cpu_allocations
-from executor.model import Transformer, loss_fn
+from executor.model import Transformer
 from executor.parallel_dims import ParallelDims, build_parallel_dims
-from executor.parallelize import TORCH_DTYPES, apply_ac, apply_dp, apply_tp, materialise, vocab_parallel_loss
+from executor.parallelize import TORCH_DTYPES, apply_ac, apply_dp, apply_tp, materialise, tp_loss
 from executor.pipeline import apply_pp, local_stages
 from planner.plan import Plan
 from planner.report import human_bytes
@@ -145,9 +144,7 @@ class Trainer:
         self.scaler = LossScaler(p.dtype == "fp16")
         self.tied_split = plan.model.tied_embeddings and len(plan.stages) > 1
         self.tied_group, self.tied_copies = self._tied_setup()
-        vocab_sharded = p.tp > 1 and plan.model.vocab_size % p.tp == 0  # parallelize.vocab_parallel
-        self.loss = vocab_parallel_loss(self.dims.mesh["tp"]) if vocab_sharded else loss_fn
-        self.loss_context = loss_parallel if vocab_sharded else contextlib.nullcontext
+        self.loss, self.loss_context = tp_loss(self.modules[0], self.dims.mesh["tp"] if p.tp > 1 else None)
         self.schedule = apply_pp(plan, self.dims, self.modules, self._scaled_loss) if p.pp > 1 else None
         self.has_first = any(s.stage == 0 for s in self.stage_plans)
         self.has_last = any(s.stage == len(plan.stages) - 1 for s in self.stage_plans)

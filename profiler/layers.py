@@ -16,11 +16,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.overrides import TorchFunctionMode
 
 from executor.model import Block, Embedding, Head, loss_fn
-from executor.parallelize import checkpointed_block, recompute_attention_core, vocab_parallel_loss
+from executor.parallelize import checkpointed_block, recompute_attention_core, tp_loss
 from planner.errors import InputError
 from planner.model_spec import ModelSpec
 
@@ -167,14 +166,12 @@ def build_tp_case(spec: ModelSpec, kind: str, b: int, s: int, tp_mesh, dtype: st
         module = model.blocks["0"] if kind == "block" else model.head
     if kind == "head":
         targets = torch.randint(0, spec.vocab_size, (b, s), generator=gen).to(device)
-        if spec.vocab_size % tp:  # replicated head: the plain loss
-            return LayerCase(kind, HeadLoss(module, targets), make_input, lambda loss: loss.backward())
+        loss, context = tp_loss(model, tp_mesh)
 
-        def backward(loss: torch.Tensor) -> None:
-            with loss_parallel():
-                loss.backward()
-        head = HeadLoss(module, targets, vocab_parallel_loss(tp_mesh), loss_parallel)
-        return LayerCase(kind, head, make_input, backward)
+        def backward(out: torch.Tensor) -> None:
+            with context():
+                out.backward()
+        return LayerCase(kind, HeadLoss(module, targets, loss, context), make_input, backward)
     grad = torch.randn(*local, generator=gen).to(device=device, dtype=TORCH_DTYPES[dtype])
     return LayerCase(kind, module, make_input, lambda out: out.backward(grad))
 

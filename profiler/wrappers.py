@@ -15,15 +15,13 @@ the slower rank): the profile keeps their in-situ cost relative to the link fit.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.parallel import loss_parallel
 
 from executor.model import loss_fn
-from executor.parallelize import vocab_parallel_loss
+from executor.parallelize import tp_loss
 from planner.model_spec import ModelSpec, wrapped_unit_params
 from profiler.compute import TimingConfig, typical_time
 from profiler.layers import TORCH_DTYPES
@@ -70,11 +68,10 @@ def _pass_time(model, b: int, s: int, spec: ModelSpec, device: torch.device, cfg
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, spec.vocab_size, (b, s), generator=gen).to(device)
     targets = torch.randint(0, spec.vocab_size, (b, s), generator=gen).to(device)
-    vocab_sharded = tp_mesh is not None and spec.vocab_size % tp_mesh.size() == 0  # as the executor's loss
-    loss = vocab_parallel_loss(tp_mesh) if vocab_sharded else loss_fn
+    loss, context = tp_loss(model, tp_mesh)  # the executor's loss
 
     def one() -> None:
-        with loss_parallel() if vocab_sharded else nullcontext():
+        with context():
             loss(model(tokens), targets).backward()
     return typical_time(one, device, cfg.warmup, cfg.repeats)
 
