@@ -68,15 +68,18 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not norms, biases), as nanoGPT/torchtitan."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
-    mixed = len(meshes) > 1 or (meshes and any(not isinstance(p, DTensor) for p in params))
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
-                             foreach=False if mixed else None)
+    """AdamW with weight decay on matrices only (not norms, biases), as nanoGPT/torchtitan. One parameter
+    group per (decay, device mesh), so that every group runs the foreach implementation: foreach cannot
+    mix DTensors of different meshes, or DTensors and plain tensors, in one call, and the single-tensor
+    loop dispatches through DTensor once per parameter and op (gpt-20m, TP 2 on 2 CPU ranks: 258-438 ms a
+    step, where the same local tensors take 42 ms with foreach)."""
+    groups: dict[tuple, list[nn.Parameter]] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            groups.setdefault((p.ndim >= 2, p.device_mesh if isinstance(p, DTensor) else None), []).append(p)
+    param_groups = [{"params": ps, "weight_decay": cfg.weight_decay if decay else 0.0}
+                    for (decay, _), ps in groups.items()]
+    return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
 
 
 def local_grads(params: list[nn.Parameter], replicas: int, exclude: frozenset[int] = frozenset()

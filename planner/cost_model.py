@@ -297,9 +297,9 @@ class Workspace:
     `emb[r]`: at the first stage's embedding backward, one micro-batch's activations already freed: the
     dense embedding gradient, which a tied head in the same module sums out of place with the head's
     (3 V·h tensors), or adds into the accumulated gradient (1; m = 1 untied: it is the gradient).
-    `opt[r]` + Σ `per_layer` of the rank: AdamW's step, activations freed. torch's default on CUDA is
-    foreach, which materialises sqrt(v) for the whole parameter group (4 B per local parameter); on CPU
-    the single-tensor loop holds sqrt(v) and its quotient for one tensor at a time (2× the largest)."""
+    `opt[r]` + Σ `per_layer` of the rank: AdamW's step, activations freed. The executor's AdamW is
+    foreach on every device (executor.train.make_optimizer), which materialises sqrt(v) for a whole
+    parameter group (4 B per local parameter)."""
 
     act: list[float]
     emb: list[float]
@@ -322,17 +322,10 @@ def step_transients(model: ModelSpec, device_kind: str, cand: Candidate, s: int,
     logits = cand.b * s * model.vocab_size / vocab_tp * 4.0
     act[rank[-1]] += max(2.0 * logits, logits + (table * grad if accumulating or tied_one else 0.0))
     emb[rank[0]] += table * grad * (3 if tied_one else 1 if accumulating else 0)
-    per_layer = [0.0] * len(model.layers)
-    if device_kind == "cpu":
-        block = model.hidden_size * model.ffn_hidden_size / tp
-        for r in range(pp):
-            largest = max(block, table if r in (rank[0], rank[-1]) else 0.0)
-            opt[r] = 2.0 * 4.0 * largest / shards
-    else:
-        per_layer = [4.0 * layer.params / local for layer in model.layers]
-        tied = sum(layer.tied_params for layer in model.layers if layer.kind == "head")
-        if tied and S > 1:
-            opt[rank[-1]] += 4.0 * tied / local
+    per_layer = [4.0 * layer.params / local for layer in model.layers]
+    tied = sum(layer.tied_params for layer in model.layers if layer.kind == "head")
+    if tied and S > 1:
+        opt[rank[-1]] += 4.0 * tied / local
     return Workspace(act, emb, opt, per_layer)
 
 

@@ -76,13 +76,16 @@ def _pass_time(model, b: int, s: int, spec: ModelSpec, device: torch.device, cfg
     return typical_time(one, device, cfg.warmup, cfg.repeats)
 
 
-def _optimizer_time(model, device: torch.device, cfg: TimingConfig, foreach: bool | None = None) -> float:
-    """AdamW step seconds: the bare reference as profiler.measure times optimizer_s_per_param (foreach),
-    the wrapped model as the executor steps it (torch's default implementation for its parameters)."""
+def _optimizer_time(model, device: torch.device, cfg: TimingConfig, executors: bool = False) -> float:
+    """AdamW step seconds: the bare reference as profiler.measure times optimizer_s_per_param (foreach
+    over plain tensors), or with `executors` the wrapped model's optimizer as the executor builds it
+    (executor.train.make_optimizer: foreach per parameter group, through DTensor)."""
+    from executor.train import TrainConfig, make_optimizer
+
     params = list(model.parameters())
     for p in params:
         p.grad = torch.zeros_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
+    opt = make_optimizer(model, TrainConfig()) if executors else torch.optim.AdamW(params, lr=1e-4, foreach=True)
     return typical_time(opt.step, device, cfg.warmup, cfg.repeats)
 
 
@@ -97,7 +100,7 @@ def measure_wrappers(spec: ModelSpec, b: int, s: int, dtype: str, device: torch.
     units = blocks + 1
     bare = _model(spec, blocks, device, dtype)
     bare_s = _pass_time(bare, b, s, spec, device, cfg)
-    bare_opt = _optimizer_time(bare, device, cfg, foreach=True)
+    bare_opt = _optimizer_time(bare, device, cfg)
     samples = []
     for engine in ENGINES:
         zero = ENGINE_ZERO[engine]
@@ -105,7 +108,7 @@ def measure_wrappers(spec: ModelSpec, b: int, s: int, dtype: str, device: torch.
         model = _model(spec, blocks, device, dtype, mesh, zero=zero)
         accumulate = _pass_time(model, b, s, spec, device, cfg, sync=False, zero=zero)
         synced = _pass_time(model, b, s, spec, device, cfg, sync=True, zero=zero)
-        opt = _optimizer_time(model, device, cfg)
+        opt = _optimizer_time(model, device, cfg, executors=True)
         share = 1.0 / world if zero >= 1 else 1.0  # sharded: each rank steps 1/world of the parameters
         samples.append(WrapperSample(engine, world, b, s, wrapped_unit_params(spec, blocks),
                                      hook_s=max(0.0, accumulate - bare_s) / units,

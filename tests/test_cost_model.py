@@ -301,12 +301,13 @@ def test_step_transients_by_hand():
     logits = 2 * s * V * 4.0
     assert ws.act == [max(2 * logits, logits + 4.0 * table)]
     assert ws.emb == [3 * 4.0 * table]  # head and embedding gradients, and their sum
-    assert ws.opt == [2 * 4.0 * table] and ws.per_layer == [0.0] * len(model.layers)  # CPU: 2x the largest
+    # foreach AdamW (executor.train.make_optimizer, on every device): sqrt(v) of every local parameter (fp32)
+    assert ws.opt == [0.0] and ws.per_layer == [4.0 * layer.params for layer in model.layers]
     piped = Candidate(dp=2, tp=2, pp=2, v=1, schedule="1f1b", b=2, m=1, zero=1, recompute="none")
     ws = step_transients(model, "cuda", piped, s, "bf16", [0, 1])
     assert ws.act == [0.0, 2 * logits]  # m = 1: the head weight gradient is the gradient itself
     assert ws.emb == [0.0, 0.0]  # a separate copy per stage, nothing accumulated
-    # CUDA foreach: sqrt(v) of every local parameter (fp32), ÷ tp ÷ dp (FSDP shards); the head's copy too
+    # ÷ tp ÷ dp (FSDP shards); the head's copy too
     assert ws.per_layer == [4.0 * layer.params / 4 for layer in model.layers]
     assert ws.opt == [0.0, 4.0 * table / 4]
 
