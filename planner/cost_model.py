@@ -220,12 +220,16 @@ def unhidden_share(profile, dp: int, zero: int, num_layers: int, num_stages: int
     return 1.0 / max(1.0, num_layers / num_stages)
 
 
-def optimizer_time(profile, params: float, dp: int, zero: int) -> float:
+def optimizer_time(profile, params: float, dp: int, zero: int, tp: int = 1) -> float:
     """Adam step over the parameters this device updates (÷dp with ZeRO ≥ 1): memory bound, measured
     or preset seconds per parameter (profiler/presets.py: 36 B touched per parameter), times the
-    measured cost of stepping the data-parallel engine's DTensor parameters."""
+    measured cost of stepping DTensor parameters: the data-parallel engine's, or the tensor-parallel
+    model's (the larger of the two when both)."""
     w = profile.wrapper(zero) if dp > 1 else None
     ratio = w.optimizer_ratio if w is not None else 1.0
+    tp_ratio = profile.tp_optimizer_ratio(tp) if tp > 1 else None
+    if tp_ratio is not None:
+        ratio = max(ratio, tp_ratio)
     return profile.optimizer_s_per_param * params / (dp if zero >= 1 else 1) * ratio * profile.correction("optimizer")
 
 
@@ -619,7 +623,7 @@ class Terms:
                     per_mb = 0.0 if in_situ and layer.kind != "block" else \
                         sharded_dp_time(self.profile, w, self.dtype, dp, zero, link)
                     by_params[key] = (
-                        w * (pb + gb + ob), optimizer_time(self.profile, w, dp, zero),
+                        w * (pb + gb + ob), optimizer_time(self.profile, w, dp, zero, tp),
                         dp_sync_time(self.profile, w, self.dtype, dp, zero, link, sync.reductions), per_mb)
                 for lst, value in zip(out, by_params[key]):
                     lst.append(value)

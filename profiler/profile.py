@@ -163,13 +163,16 @@ class ChainSample:
     # the cut's blocks and head; 0: not measured
     split_extra_s: float = 0.0
     tp: int = 1
+    # tp > 1: the executor's AdamW step (make_optimizer) over the cut's DTensor parameters, over the same
+    # step on plain tensors of the local shards' sizes (the DTensor dispatch); 0: not measured
+    optimizer_ratio: float = 0.0
 
     @classmethod
     def from_dict(cls, data: dict, path: str) -> "ChainSample":
         f = Fields(data, path)
         return cls(f.int("micro_batch_size", min=1), f.int("seq_len", min=1), f.int("blocks", min=1),
                    f.float("seconds", min=0.0), f.float("split_extra_s", min=0.0, default=0.0),
-                   f.int("tp", min=1, default=1))
+                   f.int("tp", min=1, default=1), f.float("optimizer_ratio", min=0.0, default=0.0))
 
 
 ENGINES = ("replicate", "fully_shard", "fully_shard_reshard")  # executor.parallelize.apply_dp at ZeRO 0, 1-2, 3
@@ -280,6 +283,12 @@ class Profile:
         if b is not None and points:
             return _interpolate(points, b)
         return self.pipeline_overheads.get(name, 0.0)
+
+    def tp_optimizer_ratio(self, tp: int) -> float | None:
+        """The executor's AdamW step over tensor-parallel (DTensor) parameters relative to plain tensors of
+        the same size, measured on the TP chain at this degree; None when not measured."""
+        ratios = sorted(c.optimizer_ratio for c in self.chains if c.tp == tp and c.optimizer_ratio > 0)
+        return ratios[len(ratios) // 2] if ratios else None
 
     def tp_collectives_measured(self, kind: str, tp: int) -> bool:
         """Whether `layer_time(kind, ·, ·, tp)` already includes the TP collectives (timed across ranks)."""

@@ -89,6 +89,18 @@ def _optimizer_time(model, device: torch.device, cfg: TimingConfig, executors: b
     return typical_time(opt.step, device, cfg.warmup, cfg.repeats)
 
 
+def _tp_optimizer_ratio(model, device: torch.device, cfg: TimingConfig) -> float:
+    """The executor's AdamW step over the tensor-parallel model's DTensor parameters, over the same step
+    on plain tensors of the local shards' sizes: what the DTensor dispatch adds (every rank of the TP
+    group calls this together)."""
+    from torch.distributed.tensor import DTensor
+
+    executors = _optimizer_time(model, device, cfg, executors=True)
+    local = torch.nn.ParameterList(torch.nn.Parameter(torch.empty_like(p.to_local() if isinstance(p, DTensor) else p))
+                                   for p in model.parameters())
+    return executors / max(_optimizer_time(local, device, cfg), 1e-12)
+
+
 def measure_wrappers(spec: ModelSpec, b: int, s: int, dtype: str, device: torch.device, cfg: TimingConfig,
                      blocks: int = 2) -> list[WrapperSample]:
     """Every rank of the default group calls this together; the samples are the same on all."""
@@ -157,8 +169,9 @@ def measure_chains(spec: ModelSpec, sizes: list[int], s: int, dtype: str, device
     blocks = max(1, min(blocks, spec.num_layers))
     model = _model(spec, blocks, device, dtype, tp_mesh=tp_mesh)
     if tp_mesh is not None:
-        return [ChainSample(b, s, blocks, _pass_time(model, b, s, spec, device, cfg, tp_mesh=tp_mesh),
-                            tp=tp_mesh.size())
-                for b in sizes]
+        samples = [ChainSample(b, s, blocks, _pass_time(model, b, s, spec, device, cfg, tp_mesh=tp_mesh),
+                               tp=tp_mesh.size()) for b in sizes]
+        ratio = _tp_optimizer_ratio(model, device, cfg)
+        return [replace(c, optimizer_ratio=ratio) for c in samples]
     return [ChainSample(b, s, blocks, _pass_time(model, b, s, spec, device, cfg),
                         _split_extra(model, b, s, spec, device, cfg)) for b in sizes]

@@ -289,6 +289,25 @@ def test_chain_factor_scales_tp1_layer_times_between_measured_sizes():
     assert profile.layer_time("block", 2, 64, 2) == pytest.approx((0.002, 0.004))  # TP: timed as is
 
 
+def test_tensor_parallel_optimizer_step_takes_the_measured_dtensor_ratio():
+    """The TP chain's measured AdamW ratio (DTensor over plain tensors) scales the TP plans' optimizer
+    term; data parallelism's in-situ ratio, when larger, wins; unmeasured degrees step at the plain rate."""
+    from dataclasses import replace
+
+    from planner.cost_model import optimizer_time
+    from profiler.profile import ChainSample, WrapperSample
+
+    profile = preset_profile(builtin_model("tiny"), parse_cluster("2xcpu"))
+    plain = optimizer_time(profile, 1e6, 1, 0)
+    profile.chains = [ChainSample(b, 64, 2, 0.01, tp=2, optimizer_ratio=r) for b, r in ((1, 3.0), (2, 5.0), (4, 4.0))]
+    assert optimizer_time(profile, 1e6, 1, 0, tp=2) == pytest.approx(4.0 * plain)  # the median
+    assert optimizer_time(profile, 1e6, 1, 0, tp=4) == pytest.approx(plain)
+    profile.wrappers = [WrapperSample("replicate", 2, 1, 64, [1, 1], 0.0, 0.0, 6.0)]
+    assert optimizer_time(profile, 1e6, 2, 0, tp=2) == pytest.approx(6.0 * plain)
+    profile.wrappers = [replace(profile.wrappers[0], optimizer_ratio=2.0)]
+    assert optimizer_time(profile, 1e6, 2, 0, tp=2) == pytest.approx(4.0 * plain)
+
+
 def test_step_transients_by_hand():
     """Workspace of the three transient moments (cost_model.Workspace) on a tied model."""
     from planner.cost_model import step_transients

@@ -68,6 +68,7 @@ def test_profile_two_cpu_ranks_then_cached(tmp_path, capsys):
     # the cut model as one module, bare and tensor-parallel across both ranks
     assert sorted((c.tp, c.micro_batch_size) for c in p.chains) == [(1, 1), (1, 2), (2, 1), (2, 2)]
     assert p.chain_factor(1) > 0 and p.chain_factor(1, 2) > 0 and "applied to the t=2 fit" in r.stdout
+    assert p.tp_optimizer_ratio(2) > 0 and p.tp_optimizer_ratio(1) is None  # AdamW over the TP DTensors
     assert all((c.split_extra_s > 0) == (c.tp == 1) for c in p.chains) and p.split_backward_factor(1) > 1
     assert all(c.forward_s > 0 and c.backward_s > 0 and c.spread >= 0 for c in p.compute)
     assert {f.measured_group_size for f in p.links["intra_node"].values()} == {2}
