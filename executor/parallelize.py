@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from executor.model import Transformer, init_value, loss_fn
+from planner.model_spec import splits_vocab
 from planner.plan import ParallelConfig
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -36,7 +37,7 @@ WRAPPED = "_checkpoint_wrapped_module."
 
 def vocab_parallel(model: Transformer, tp: int) -> bool:
     """Embedding and LM head are sharded over the vocabulary when it divides evenly, else replicated."""
-    return model.spec.vocab_size % tp == 0
+    return splits_vocab(model.spec, tp)
 
 
 def tp_loss(model: Transformer, tp_mesh: DeviceMesh | None

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from planner.model_spec import ModelSpec, wrapped_unit_params
+from planner.model_spec import ModelSpec, vocab_shard, wrapped_unit_params
 from profiler.analytic import DTYPE_BYTES, layer_forward_flops
 
 # (parameter, gradient, optimizer) bytes per parameter; see the module docstring.
@@ -311,19 +311,18 @@ class Workspace:
     per_layer: list[float]
 
 
-def step_transients(model: ModelSpec, device_kind: str, cand: Candidate, s: int, dtype: str,
+def step_transients(model: ModelSpec, cand: Candidate, s: int, dtype: str,
                     rank: list[int]) -> Workspace:
     """The Workspace of `cand` with stage k on pipeline rank rank[k] (executor/train.py's step)."""
     tp, pp, S = cand.tp, cand.pp, cand.num_stages
     shards = cand.dp if cand.zero >= 1 and cand.dp > 1 else 1  # AdamW steps FSDP's shards
     local = tp * shards
-    vocab_tp = tp if model.vocab_size % tp == 0 else 1  # executor.parallelize.vocab_parallel
-    table = model.vocab_size * model.hidden_size / vocab_tp  # embedding / LM-head weight elements
+    table = vocab_shard(model, tp) * model.hidden_size  # embedding / LM-head weight elements
     grad = STATE_BYTES[dtype][1]
     tied_one = model.tied_embeddings and S == 1
     accumulating = cand.m > 1
     act, emb, opt = [0.0] * pp, [0.0] * pp, [0.0] * pp
-    logits = cand.b * s * model.vocab_size / vocab_tp * 4.0
+    logits = cand.b * s * vocab_shard(model, tp) * 4.0
     act[rank[-1]] += max(2.0 * logits, logits + (table * grad if accumulating or tied_one else 0.0))
     emb[rank[0]] += table * grad * (3 if tied_one else 1 if accumulating else 0)
     per_layer = [4.0 * layer.params / local for layer in model.layers]
@@ -670,7 +669,7 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
         rec_time=rec_time, rec_saving=rec_saving, rec_tp=rec_tp, boundary=boundary, rank=rank, pp=pp,
         inflight=inflight, fixed=fixed, mem_limit=mem_limit, weight=cand.m + bubble, bubble=bubble, m=cand.m,
         unhidden=unhidden_share(profile, dp, zero, len(kinds), S), recompute=recompute, cuts=cuts,
-        ws=step_transients(model, profile.device_kind, cand, seq_len, dtype, rank),
+        ws=step_transients(model, cand, seq_len, dtype, rank),
         grads_idle=grads_idle(state_bytes, cand.m, inflight),
     )
 

@@ -139,6 +139,17 @@ def wrapped_unit_params(spec: ModelSpec, blocks: int) -> list[int]:
     return [by_kind["block"]] * blocks + [by_kind["embedding"] + by_kind["head"]]
 
 
+def splits_vocab(spec: ModelSpec, tp: int) -> bool:
+    """Whether tensor parallelism of degree `tp` shards the embedding and LM head over the vocabulary:
+    when it divides V evenly, else both stay replicated (executor.parallelize.apply_tp)."""
+    return spec.vocab_size % tp == 0
+
+
+def vocab_shard(spec: ModelSpec, tp: int) -> int:
+    """Vocabulary entries of the embedding and LM head on one TP rank (`splits_vocab`)."""
+    return spec.vocab_size // tp if splits_vocab(spec, tp) else spec.vocab_size
+
+
 def block_params(spec: ModelSpec) -> int:
     """Parameters of one transformer block from its dimensions."""
     h, ffn = spec.hidden_size, spec.ffn_hidden_size

@@ -3,7 +3,7 @@ the shape that measured samples are fitted to when the planner asks for sizes th
 
 from __future__ import annotations
 
-from planner.model_spec import ModelSpec
+from planner.model_spec import ModelSpec, vocab_shard
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -70,8 +70,7 @@ def layer_activation_bytes(spec: ModelSpec, kind: str, b: int, s: int, tp: int =
         rope = 2 * 2 * s * (spec.head_dim // 2) * 4 if spec.position == "rope" else 0
         return tokens * per_token + rope
     if kind == "head":
-        vocab = spec.vocab_size / tp if spec.vocab_size % tp == 0 else spec.vocab_size
-        return tokens * (norm_kept + h * B + 4.0 * vocab)
+        return tokens * (norm_kept + h * B + 4.0 * vocab_shard(spec, tp))
     if kind == "embedding":
         return 8.0 * tokens
     raise ValueError(f"unknown layer kind {kind!r}")

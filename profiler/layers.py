@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 from executor.model import Block, Embedding, Head, loss_fn
 from executor.parallelize import checkpointed_block, recompute_attention_core, tp_loss
 from planner.errors import InputError
-from planner.model_spec import ModelSpec
+from planner.model_spec import ModelSpec, vocab_shard
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -52,8 +52,7 @@ def shard_spec(spec: ModelSpec, kind: str, tp: int) -> ModelSpec:
         return replace(spec, num_heads=spec.num_heads // tp, num_kv_heads=spec.num_kv_heads // tp,
                        ffn_hidden_size=spec.ffn_hidden_size // tp, layers=())
     if kind == "head":  # vocabulary-parallel when tp divides it, else replicated (executor.parallelize)
-        vocab = spec.vocab_size // tp if spec.vocab_size % tp == 0 else spec.vocab_size
-        return replace(spec, vocab_size=vocab, tied_embeddings=False, layers=())
+        return replace(spec, vocab_size=vocab_shard(spec, tp), tied_embeddings=False, layers=())
     return spec  # the embedding is not sharded by the plans meshplan makes
 
 

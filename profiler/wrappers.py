@@ -96,7 +96,7 @@ def _tp_optimizer_ratio(model, device: torch.device, cfg: TimingConfig) -> float
     from torch.distributed.tensor import DTensor
 
     executors = _optimizer_time(model, device, cfg, executors=True)
-    local = torch.nn.ParameterList(torch.nn.Parameter(torch.empty_like(p.to_local() if isinstance(p, DTensor) else p))
+    local = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros_like(p.to_local() if isinstance(p, DTensor) else p))
                                    for p in model.parameters())
     return executors / max(_optimizer_time(local, device, cfg), 1e-12)
 

@@ -316,14 +316,14 @@ def test_step_transients_by_hand():
     V, h, s = model.vocab_size, model.hidden_size, 1024
     table = V * h
     one = Candidate(dp=1, tp=1, pp=1, v=1, schedule="1f1b", b=2, m=4, zero=0, recompute="none")
-    ws = step_transients(model, "cpu", one, s, "fp32", [0])
+    ws = step_transients(model, one, s, "fp32", [0])
     logits = 2 * s * V * 4.0
     assert ws.act == [max(2 * logits, logits + 4.0 * table)]
     assert ws.emb == [3 * 4.0 * table]  # head and embedding gradients, and their sum
     # foreach AdamW (executor.train.make_optimizer, on every device): sqrt(v) of every local parameter (fp32)
     assert ws.opt == [0.0] and ws.per_layer == [4.0 * layer.params for layer in model.layers]
     piped = Candidate(dp=2, tp=2, pp=2, v=1, schedule="1f1b", b=2, m=1, zero=1, recompute="none")
-    ws = step_transients(model, "cuda", piped, s, "bf16", [0, 1])
+    ws = step_transients(model, piped, s, "bf16", [0, 1])
     assert ws.act == [0.0, 2 * logits]  # m = 1: the head weight gradient is the gradient itself
     assert ws.emb == [0.0, 0.0]  # a separate copy per stage, nothing accumulated
     # ÷ tp ÷ dp (FSDP shards); the head's copy too
