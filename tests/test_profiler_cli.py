@@ -234,6 +234,8 @@ def test_cached_profile_used_only_when_it_covers_the_request():
      "profile.chains[0].split_extra_s"),
     ("chains", [{"micro_batch_size": 1, "seq_len": 8, "blocks": 2, "seconds": 0.1, "tp": 0}],
      "profile.chains[0].tp"),
+    ("chains", [{"micro_batch_size": 1, "seq_len": 8, "blocks": 2, "seconds": 0.1, "tp": 2,
+                 "optimizer_ratio": -1.0}], "profile.chains[0].optimizer_ratio"),
     ("pipeline_samples", [{"micro_batch_size": 0, "overheads": {"1f1b": 0.001}}],
      "profile.pipeline_samples[0].micro_batch_size"),
     ("pipeline_samples", [{"micro_batch_size": 4, "overheads": {"zb": 0.001}}],
