@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from executor import checkpoint
 from executor.checks import check_supported
@@ -80,6 +80,37 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     param_groups = [{"params": ps, "weight_decay": cfg.weight_decay if decay else 0.0}
                     for (decay, _), ps in groups.items()]
     return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+
+
+def reduce_partial_grads(params: list[nn.Parameter]) -> None:
+    """Reduce the gradients tensor parallelism leaves Partial (the sequence-parallel norms' weights: each
+    TP rank holds the sum over its sequence shard) to Replicate, with one all-reduce per mesh dimension
+    and dtype, before the norm and the step. Left Partial, every foreach AdamW op that reads such a
+    gradient all-reduces it again (gpt-20m, TP 2: 102 all-reduces in a step that then took 246 ms
+    instead of 67 ms), and `local_grads` would count each rank's partial sum instead of the total."""
+    pending: dict[tuple, list[nn.Parameter]] = {}
+    for p in params:
+        g = p.grad
+        if not isinstance(g, DTensor) or not any(isinstance(x, Partial) for x in g.placements):
+            continue
+        replicated = [Replicate() if isinstance(x, Partial) else x for x in g.placements]
+        partial = tuple((i, x.reduce_op) for i, x in enumerate(g.placements) if isinstance(x, Partial))
+        if all(op in ("sum", "avg") for _, op in partial):
+            pending.setdefault((g.device_mesh, partial, g.dtype), []).append(p)
+        else:  # max / min: not what a gradient holds; DTensor's own reduction, one tensor at a time
+            p.grad = g.redistribute(placements=replicated)
+    for (mesh, partial, _), ps in pending.items():
+        local = [p.grad.to_local() for p in ps]
+        flat = torch.cat([t.reshape(-1) for t in local])
+        for dim, op in partial:
+            dist.all_reduce(flat, group=mesh.get_group(dim))
+            if op == "avg":
+                flat /= mesh.size(dim)
+        for p, t, part in zip(ps, local, flat.split([t.numel() for t in local])):
+            g = p.grad
+            replicated = [Replicate() if isinstance(x, Partial) else x for x in g.placements]
+            p.grad = DTensor.from_local(part.view_as(t), mesh, replicated, run_check=False, shape=g.shape,
+                                        stride=g.stride())
 
 
 def local_grads(params: list[nn.Parameter], replicas: int, exclude: frozenset[int] = frozenset()
@@ -254,6 +285,7 @@ class Trainer:
     def clip_and_step(self, step: int) -> float:
         """Global-norm clipping over every shard of every stage, then AdamW (skipped on fp16 overflow)."""
         p = self.plan.parallel
+        reduce_partial_grads(self.params)  # before the tied sum and the norm: both read whole gradients
         self._sync_tied()
         groups = local_grads(self.params, p.dp * p.tp, self.tied_copies)
         sq = grad_norm_sq(groups)

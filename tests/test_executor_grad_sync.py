@@ -1,5 +1,5 @@
-"""Data-parallel gradient reduction with gradient accumulation, as the executor runs it on 2 gloo processes
-and as the cost model's `grad_sync` describes it."""
+"""Gradient reduction as the executor runs it on 2 gloo processes: data-parallel with gradient accumulation
+(as the cost model's `grad_sync` describes it), and the gradients tensor parallelism leaves Partial."""
 
 import json
 import os
@@ -56,3 +56,51 @@ def test_zero2_and_zero3_reduce_scatter_every_micro_batch_without_pipelining(tmp
         cand = Candidate(dp=2, tp=1, pp=1, v=1, schedule="1f1b", b=1, m=3, zero=zero, recompute="none")
         sync = grad_sync(cand)
         assert (sync.full_grads, sync.reductions) == ((True, 1) if zero == 1 else (False, 3))
+
+
+def _norm_worker(rank: int, world: int, port: int, path: str, out_dir: str) -> None:
+    """One forward_backward of a TP + sequence-parallel plan, then the executor's clip_and_step: records
+    the gradient norm it clipped by, and whether any gradient was still Partial when AdamW stepped."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        trainer = Trainer(load_plan(path), TrainConfig(steps=1, quiet=True), torch.device("cpu"))
+        partial = []
+        for opt in trainer.optims:
+            opt.register_step_pre_hook(lambda o, *_: partial.extend(
+                isinstance(p.grad, DTensor) and any(isinstance(x, Partial) for x in p.grad.placements)
+                for g in o.param_groups for p in g["params"]))
+        trainer.forward_backward(0)
+        norm = trainer.clip_and_step(0)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(os.path.join(out_dir, "norm.json"), "w") as fh:
+            json.dump({"norm": norm, "stepped": len(partial), "partial": sum(partial)}, fh)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_gradients_are_reduced_once_before_the_norm_and_the_step(tmp_path):
+    """Sequence parallelism leaves the norms' weight gradients Partial (a sum per sequence shard). The
+    executor reduces them before clipping, so its global norm is the single process's, and AdamW never
+    sees a Partial gradient (which it would all-reduce once per op that reads it)."""
+    from executor.data import SyntheticData
+    from executor.model import Transformer, init_weights, loss_fn
+
+    plan = make_plan(cluster="2xcpu", tp=2, sequence_parallel=True, micro_batch_size=2, num_micro_batches=2)
+    path = str(tmp_path / "tp2-sp.json")
+    save_plan(plan, path)
+    mp.spawn(_norm_worker, args=(2, free_port(), path, str(tmp_path)), nprocs=2, join=True)
+    got = json.loads((tmp_path / "norm.json").read_text())
+
+    p, cfg = plan.parallel, TrainConfig(steps=1)
+    model = Transformer(plan.model)
+    init_weights(model, cfg.seed)
+    batch = SyntheticData(plan.model.vocab_size, p.seq_len, p.global_batch_size, cfg.seed).batch(0)
+    loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+    assert got["stepped"] > 0 and got["partial"] == 0
+    assert got["norm"] == pytest.approx(want, rel=1e-5)
