@@ -104,13 +104,23 @@ def default_threads(nprocs: int) -> int:
 
 
 def measure_optimizer(spec: ModelSpec, dtype: str, device: torch.device, timing: TimingConfig) -> float:
-    """Seconds per parameter of an AdamW step (fp32 master weights, as mixed precision steps them)."""
+    """Seconds per parameter of the executor's optimizer step (fp32 master weights, as mixed precision steps
+    them): the global-norm clip (executor.train: foreach norms, then scaling every gradient) and AdamW."""
+    from executor.train import grad_norm_sq, local_grads
+
     params = [p.detach().float().clone().requires_grad_(True)
               for p in build_case(spec, "block", 1, 1, 1, dtype, device).parameters()]
     for p in params:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-    return typical_time(opt.step, device, timing.warmup, timing.repeats) / sum(p.numel() for p in params)
+
+    def step() -> None:
+        groups = local_grads(params, replicas=1)
+        grad_norm_sq(groups)
+        for grads in groups.values():
+            torch._foreach_mul_(grads, 0.999)  # a clipping coefficient (1.0 skips the scaling)
+        opt.step()
+    return typical_time(step, device, timing.warmup, timing.repeats) / sum(p.numel() for p in params)
 
 
 def tp_meshes(cfg: MeasureConfig, world: int, local_world: int) -> dict:

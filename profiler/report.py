@@ -66,7 +66,7 @@ def print_profile(profile: Profile, console: Console | None = None) -> None:
                        f"{f.spread:.0%}" if f.measured_group_size else "-")
     console.print(lt)
     if profile.optimizer_s_per_param:
-        console.print(f"optimizer (AdamW, fp32 master): {profile.optimizer_s_per_param * 1e9:.2f} ns/parameter")
+        console.print(f"optimizer (clip + AdamW, fp32 master): {profile.optimizer_s_per_param * 1e9:.2f} ns/parameter")
     if profile.wrappers:
         from planner.cost_model import in_situ_factor
         from profiler.wrappers import ENGINE_ZERO
