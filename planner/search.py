@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.cluster_spec import ClusterSpec
 from planner.constraints import Constraints
@@ -61,6 +61,8 @@ from planner.shared_cores import relative_rate, shared_iteration_time
 
 Progress = Callable[[int, int], None]
 MAX_VIRTUAL_STAGES = 8
+RESCORE_WITHIN = 1.2  # closed-form candidates this close to the best get their schedules simulated
+RESCORE_MAX = 24
 
 
 @dataclass
@@ -69,7 +71,7 @@ class Scored:
     problem: StageProblem
     solution: Solution
     index: int  # enumeration order: the tie-break (simpler plans are enumerated first)
-    time: float  # predicted iteration seconds: the objective, with CPU cores shared (planner/shared_cores.py)
+    time: float  # predicted iteration seconds: the objective, pipelines simulated (planner/shared_cores.py)
 
     @property
     def objective(self) -> float:
@@ -292,7 +294,21 @@ class Search:
             results.sort(key=lambda r: (r.time, r.index))
         if progress is not None:
             progress(len(bounded), len(bounded))
-        return results
+        return self.rescore(results, keep) if self.rate is None else results
+
+    def rescore(self, results: list[Scored], keep: int) -> list[Scored]:
+        """Re-rank the closed form's best by simulating their pipeline schedules (planner/shared_cores.py:
+        the closed form charges every micro-batch the slowest rank's time, which misjudges unequal chunks
+        of interleaved schedules). Simulating costs up to 0.3 s a candidate at pp=16, m=512, so only the
+        `keep` best and those within RESCORE_WITHIN of the best, at most RESCORE_MAX, are simulated; they
+        come first, re-sorted, and the rest follow with their closed-form times."""
+        if not results:
+            return results
+        near = sum(1 for r in results if r.time <= results[0].time * RESCORE_WITHIN)
+        count = min(len(results), max(keep, min(near, RESCORE_MAX)))
+        head = [replace(r, time=self.shared_time(r.cand, evaluate(r.problem, r.solution.bounds, r.solution.recompute)))
+                if r.cand.pp > 1 else r for r in results[:count]]
+        return sorted(head, key=lambda r: (r.time, r.index)) + results[count:]
 
     def speedup(self, cand: Candidate) -> float:
         """How much below its `bounds` lower bound a candidate's prediction can fall on shared CPU cores

@@ -15,7 +15,7 @@ from profiler.profile import load_profile, save_profile
 
 TRAIN = [dict(dp=4), dict(dp=4, micro_batch_size=1), dict(dp=2, tp=2), dict(pp=4), dict(pp=2, dp=2),
          dict(tp=2, pp=2), dict(dp=2, tp=2, zero=3, micro_batch_size=1)]
-HELD_OUT = [dict(dp=2, pp=2, micro_batch_size=2), dict(dp=2, tp=2, micro_batch_size=2),
+HELD_OUT = [dict(dp=2, pp=2, micro_batch_size=1), dict(dp=2, tp=2, micro_batch_size=2),
             dict(dp=4, zero=1, micro_batch_size=2)]
 
 
