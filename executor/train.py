@@ -93,12 +93,11 @@ def reduce_partial_grads(params: list[nn.Parameter]) -> None:
         g = p.grad
         if not isinstance(g, DTensor) or not any(isinstance(x, Partial) for x in g.placements):
             continue
-        replicated = [Replicate() if isinstance(x, Partial) else x for x in g.placements]
         partial = tuple((i, x.reduce_op) for i, x in enumerate(g.placements) if isinstance(x, Partial))
         if all(op in ("sum", "avg") for _, op in partial):
             pending.setdefault((g.device_mesh, partial, g.dtype), []).append(p)
         else:  # max / min: not what a gradient holds; DTensor's own reduction, one tensor at a time
-            p.grad = g.redistribute(placements=replicated)
+            p.grad = g.redistribute(placements=_replicated(g.placements))
     for (mesh, partial, _), ps in pending.items():
         local = [p.grad.to_local() for p in ps]
         flat = torch.cat([t.reshape(-1) for t in local])
@@ -108,9 +107,13 @@ def reduce_partial_grads(params: list[nn.Parameter]) -> None:
                 flat /= mesh.size(dim)
         for p, t, part in zip(ps, local, flat.split([t.numel() for t in local])):
             g = p.grad
-            replicated = [Replicate() if isinstance(x, Partial) else x for x in g.placements]
-            p.grad = DTensor.from_local(part.view_as(t), mesh, replicated, run_check=False, shape=g.shape,
-                                        stride=g.stride())
+            p.grad = DTensor.from_local(part.view_as(t), mesh, _replicated(g.placements), run_check=False,
+                                        shape=g.shape, stride=g.stride())
+
+
+def _replicated(placements) -> list:
+    """The placements with every Partial reduced to Replicate."""
+    return [Replicate() if isinstance(x, Partial) else x for x in placements]
 
 
 def local_grads(params: list[nn.Parameter], replicas: int, exclude: frozenset[int] = frozenset()

@@ -163,8 +163,8 @@ class ChainSample:
     # the cut's blocks and head; 0: not measured
     split_extra_s: float = 0.0
     tp: int = 1
-    # tp > 1: the executor's AdamW step (make_optimizer) over the cut's DTensor parameters, over the same
-    # step on plain tensors of the local shards' sizes (the DTensor dispatch); 0: not measured
+    # tp > 1: the executor's AdamW step (make_optimizer, Partial gradients reduced first) over the cut's
+    # DTensor parameters, over the same step on plain tensors of the local shards' sizes; 0: not measured
     optimizer_ratio: float = 0.0
 
     @classmethod
