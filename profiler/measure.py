@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from planner.cluster_spec import ClusterSpec
 from planner.model_spec import ModelSpec
-from profiler.compute import TimingConfig, grid, measure_sample, typical_time
+from profiler.compute import TimingConfig, grid, measure_sample, median, typical_time
 from profiler.layers import build_case
 from profiler.links import LinkTiming, fit_timings, message_sizes, time_ops
 from profiler.memory import measure_activations, measure_state
@@ -39,11 +39,12 @@ from profiler.profile import (
     WrapperSample,
 )
 from profiler.progress import Reporter
-from profiler.wrappers import measure_chains, measure_wrappers
+from profiler.wrappers import chain_pass_times, measure_chains, measure_wrappers
 
 # On GPU the other ranks wait in a barrier while rank 0 measures compute, which can take long for a big
 # model: longer than NCCL's default 10-minute watchdog.
 RANK_TIMEOUT = timedelta(minutes=60)
+CHAIN_ROUNDS = 3  # moments of a CPU profile at which the whole-model chains are measured
 
 
 @dataclass
@@ -137,6 +138,31 @@ def joint_tps(cfg: MeasureConfig, world: int, local_world: int) -> list[int]:
             and world % tp == 0 and all(s % tp == 0 for s in cfg.seq_lens)]
 
 
+@dataclass
+class _EarlyRounds:
+    """Earlier rounds of the whole-model chains and the optimizer step (see chain_round_positions)."""
+
+    bare: list[list[float]] = field(default_factory=list)
+    tp: dict[int, list[list[float]]] = field(default_factory=dict)
+    optimizer: list[float] = field(default_factory=list)
+
+    def run(self, cfg: MeasureConfig, device: torch.device, meshes: dict, measuring: bool, distributed: bool
+            ) -> None:
+        s, sizes = max(cfg.seq_lens), cfg.micro_batch_sizes
+        if measuring:
+            if distributed:
+                dist.barrier()
+            self.bare.append(chain_pass_times(cfg.model, sizes, s, cfg.dtype, device, cfg.timing,
+                                              lockstep=distributed and cfg.device_kind == "cpu"))
+            if distributed:
+                dist.barrier()
+            self.optimizer.append(measure_optimizer(cfg.model, cfg.dtype, device, cfg.timing))
+        for tp, mesh in meshes.items():  # early rounds run on CPU only, where every TP group measures
+            dist.barrier()
+            self.tp.setdefault(tp, []).append(chain_pass_times(cfg.model, sizes, s, cfg.dtype, device, cfg.timing,
+                                                               tp_mesh=mesh))
+
+
 def _compute_phase(cfg: MeasureConfig, rank: int, world: int, local_world: int, device: torch.device,
                    reporter: Reporter | None, distributed: bool
                    ) -> tuple[list[ComputeSample], list[ChainSample], float]:
@@ -146,8 +172,15 @@ def _compute_phase(cfg: MeasureConfig, rank: int, world: int, local_world: int, 
     times the bare link fit); others as one rank's shard shapes."""
     measuring = cfg.device_kind == "cpu" or rank == 0
     meshes = tp_meshes(cfg, world, local_world) if distributed else {}
+    s = max(cfg.seq_lens)
+    points = grid(cfg.micro_batch_sizes, cfg.seq_lens, cfg.tps, embedding_tps=bool(meshes))
+    early, rounds = chain_round_positions(cfg.device_kind, len(points)), _EarlyRounds()
     samples = []
-    for point in grid(cfg.micro_batch_sizes, cfg.seq_lens, cfg.tps, embedding_tps=bool(meshes)):
+    for i, point in enumerate(points):
+        if i in early:
+            if reporter is not None:
+                reporter.step(f"whole-model chain, round {len(rounds.optimizer) + 1}")
+            rounds.run(cfg, device, meshes, measuring, distributed)
         if reporter is not None:
             reporter.step(f"compute {point.label()}")
         if distributed:
@@ -164,21 +197,31 @@ def _compute_phase(cfg: MeasureConfig, rank: int, world: int, local_world: int, 
         reporter.step("whole-model chain")
     if distributed:
         dist.barrier()
-    chains = measure_chains(cfg.model, cfg.micro_batch_sizes, max(cfg.seq_lens), cfg.dtype, device,
-                            cfg.timing) if measuring else []
+    chains = measure_chains(cfg.model, cfg.micro_batch_sizes, s, cfg.dtype, device, cfg.timing,
+                            lockstep=distributed and cfg.device_kind == "cpu", earlier=rounds.bare) if measuring else []
     for tp, mesh in meshes.items():  # CPU: every TP group at once; GPU: the first group
         if reporter is not None:
             reporter.step(f"whole-model chain, tp={tp}")
         dist.barrier()
         if cfg.device_kind == "cpu" or rank < tp:
-            chains += measure_chains(cfg.model, cfg.micro_batch_sizes, max(cfg.seq_lens), cfg.dtype, device,
-                                     cfg.timing, tp_mesh=mesh)
+            chains += measure_chains(cfg.model, cfg.micro_batch_sizes, s, cfg.dtype, device, cfg.timing,
+                                     tp_mesh=mesh, earlier=rounds.tp.get(tp, []))
     if reporter is not None:
         reporter.step("optimizer step")
     if distributed:
         dist.barrier()
     opt = measure_optimizer(cfg.model, cfg.dtype, device, cfg.timing) if measuring else 0.0
-    return samples, chains, opt
+    return samples, chains, median(rounds.optimizer + [opt]) if measuring else 0.0
+
+
+def chain_round_positions(device_kind: str, points: int) -> set[int]:
+    """Grid positions before which an earlier round of the whole-model chains (and the optimizer step)
+    runs: on CPU two, at the start and half-way, so with the round after the grid each is the median of
+    three moments of the profile (tiny on 4 CPU ranks, three profiles minutes apart: AdamW 18-37 ns per
+    parameter, chain at b=1 5.1-9.1 ms). On GPU none: CUDA events time the kernels, which the host's
+    other processes do not slow."""
+    rounds = CHAIN_ROUNDS if device_kind == "cpu" else 1
+    return {k * points // (rounds - 1) for k in range(rounds - 1)} if rounds > 1 and points else set()
 
 
 _COMPUTE_TIMES = ("forward_s", "backward_s", "spread", "backward_full_s", "backward_selective_s", "forward_full_s",
@@ -228,7 +271,9 @@ def _steps(cfg: MeasureConfig, world: int, local_world: int) -> int:
     links = (local_world >= 2) + (world // local_world >= 2)
     joint = joint_tps(cfg, world, local_world)  # TP degrees timed across ranks: each also runs the chain
     in_situ = sum(in_situ_phases(world))
-    return len(grid(cfg.micro_batch_sizes, cfg.seq_lens, cfg.tps, bool(joint))) + 3 + len(joint) + in_situ + \
+    points = len(grid(cfg.micro_batch_sizes, cfg.seq_lens, cfg.tps, bool(joint)))
+    early = len(chain_round_positions(cfg.device_kind, points))
+    return points + early + 3 + len(joint) + in_situ + \
         links * len(LINK_OPS) * len(message_sizes(cfg.min_message_bytes, cfg.max_message_bytes))
 
 

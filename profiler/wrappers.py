@@ -23,7 +23,7 @@ import torch.distributed as dist
 from executor.model import loss_fn
 from executor.parallelize import tp_loss
 from planner.model_spec import ModelSpec, wrapped_unit_params
-from profiler.compute import TimingConfig, typical_time
+from profiler.compute import TimingConfig, median, typical_time
 from profiler.layers import TORCH_DTYPES
 from profiler.profile import ENGINES, ChainSample, WrapperSample
 
@@ -178,17 +178,39 @@ def _split_extra(model, b: int, s: int, spec: ModelSpec, device: torch.device, c
     return max(0.0, typical_time(split, device, cfg.warmup, cfg.repeats) - whole)
 
 
+def chain_pass_times(spec: ModelSpec, sizes: list[int], s: int, dtype: str, device: torch.device,
+                     cfg: TimingConfig, blocks: int = 2, tp_mesh=None, lockstep: bool = False) -> list[float]:
+    """One round of the cut model's (embedding, `blocks` blocks, head + loss) forward + backward seconds, per
+    micro-batch size; with `tp_mesh` tensor-parallel across it (every rank of the mesh calls this). With
+    `lockstep` every rank of the default group calls this and they start each size together."""
+    model = _model(spec, max(1, min(blocks, spec.num_layers)), device, dtype, tp_mesh=tp_mesh)
+    return _chain_round(model, spec, sizes, s, device, cfg, tp_mesh, lockstep)
+
+
+def _chain_round(model, spec: ModelSpec, sizes: list[int], s: int, device: torch.device, cfg: TimingConfig,
+                 tp_mesh, lockstep: bool) -> list[float]:
+    times = []
+    for b in sizes:
+        if lockstep:
+            dist.barrier()
+        times.append(_pass_time(model, b, s, spec, device, cfg, tp_mesh=tp_mesh))
+    return times
+
+
 def measure_chains(spec: ModelSpec, sizes: list[int], s: int, dtype: str, device: torch.device, cfg: TimingConfig,
-                   blocks: int = 2, tp_mesh=None) -> list[ChainSample]:
-    """The cut model (embedding, `blocks` blocks, head + loss) run bare as one module, per micro-batch size,
-    and what splitting its backward adds; with `tp_mesh` tensor-parallel across it (every rank of the
-    mesh calls this; the split backward is not measured there)."""
+                   blocks: int = 2, tp_mesh=None, lockstep: bool = False,
+                   earlier: list[list[float]] = ()) -> list[ChainSample]:
+    """The cut model run bare as one module, per micro-batch size, and what splitting its backward adds;
+    with `tp_mesh` tensor-parallel across it (the split backward is not measured there). Every layer's
+    time in the plan is scaled by this one measurement, so `earlier` rounds of `chain_pass_times` (taken
+    at other moments of the profile) join this one and each size keeps the median: one short round can
+    land on a transient of a shared machine (tiny on 4 CPU ranks: one profile's chain measured 12.4 ms
+    at b=1, the next one's 23.3 ms, with equal per-layer samples; the runs agreed with the second)."""
     blocks = max(1, min(blocks, spec.num_layers))
     model = _model(spec, blocks, device, dtype, tp_mesh=tp_mesh)
+    rounds = [*earlier, _chain_round(model, spec, sizes, s, device, cfg, tp_mesh, lockstep)]
+    seconds = [median([r[i] for r in rounds]) for i in range(len(sizes))]
     if tp_mesh is not None:
-        samples = [ChainSample(b, s, blocks, _pass_time(model, b, s, spec, device, cfg, tp_mesh=tp_mesh),
-                               tp=tp_mesh.size()) for b in sizes]
-        ratio = _tp_optimizer_ratio(model, device, cfg)
-        return [replace(c, optimizer_ratio=ratio) for c in samples]
-    return [ChainSample(b, s, blocks, _pass_time(model, b, s, spec, device, cfg),
-                        _split_extra(model, b, s, spec, device, cfg)) for b in sizes]
+        ratio = _tp_optimizer_ratio(model, device, cfg)  # after the passes: the gradients' real placements
+        return [ChainSample(b, s, blocks, t, tp=tp_mesh.size(), optimizer_ratio=ratio) for b, t in zip(sizes, seconds)]
+    return [ChainSample(b, s, blocks, t, _split_extra(model, b, s, spec, device, cfg)) for b, t in zip(sizes, seconds)]

@@ -7,6 +7,8 @@ from planner.model_sources import builtin_model
 from planner.model_spec import ModelSpec
 from profiler.compute import TimingConfig, grid, measure_sample, median, quantile, spread, time_passes, typical
 from profiler.layers import build_case, forward, shard_spec, tp_degrees
+from profiler.measure import chain_round_positions
+from profiler.wrappers import chain_pass_times, measure_chains
 
 CPU = torch.device("cpu")
 # Big enough that the matmuls, not Python overhead, dominate; small enough for ~1 s per test on one core.
@@ -141,3 +143,22 @@ def test_recompute_time_counts_the_checkpointed_forward():
     assert profile.recompute_time("block", 2, 16, 1, "selective") == pytest.approx(fwd * 0.5)
     sample.forward_full_s = 0.0
     assert profile.recompute_time("block", 2, 16, 1, "full") == pytest.approx(fwd * 1.0)
+
+
+def test_a_whole_model_chain_keeps_the_median_of_its_rounds():
+    """The chain scales every layer of a plan, so one round caught in a transient must not set it: with
+    two earlier rounds that agree, they win; with one below and one above, this round's time is kept."""
+    tiny = builtin_model("tiny")
+    cfg = TimingConfig(1, 2)
+    slow = measure_chains(tiny, [1, 2], 16, "fp32", CPU, cfg, earlier=[[100.0, 200.0], [100.0, 200.0]])
+    assert [c.seconds for c in slow] == [100.0, 200.0]
+    assert all(c.split_extra_s >= 0 and c.tp == 1 for c in slow)
+    kept = measure_chains(tiny, [1], 16, "fp32", CPU, cfg, earlier=[[0.0], [100.0]])
+    assert 0.0 < kept[0].seconds < 1.0  # the round measured now: tiny's cut model takes milliseconds
+    assert chain_pass_times(tiny, [1, 2], 16, "fp32", CPU, cfg)[0] < 1.0
+
+
+def test_cpu_profiles_spread_the_chain_rounds_over_the_compute_grid():
+    assert chain_round_positions("cpu", 10) == {0, 5}  # and the round after the grid: three in all
+    assert chain_round_positions("cuda", 10) == set()
+    assert chain_round_positions("cpu", 0) == set()
