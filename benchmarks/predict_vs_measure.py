@@ -117,8 +117,9 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def measure(plan_path: str, nproc: int, steps: int, workdir: str, tag: str) -> tuple[list[float], float]:
-    """One run of the plan: its step times after the executor's warm-up, and its measured peak memory."""
-    from executor.metrics import warmup_steps
+    """One run of the plan: the step times its executor's median is taken over (after the warm-up, without
+    the step the CPU memory probe instrumented), and its measured peak memory."""
+    from executor.metrics import timed_step_times
 
     metrics = os.path.join(workdir, f"{tag}.jsonl")
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -126,10 +127,9 @@ def measure(plan_path: str, nproc: int, steps: int, workdir: str, tag: str) -> t
     with open(metrics) as fh:
         lines = [json.loads(line) for line in fh if line.strip()]
     summary = next(x for x in lines if x.get("summary"))
-    step_times = [x["step_time_s"] for x in lines if "step" in x]
     # CPU: tensor bytes tracked by the executor's memory probe (peak RSS would count the interpreter)
     peak = summary.get("peak_tensor_bytes") or max(x.get("peak_memory_bytes", 0) for x in lines if "step" in x)
-    return step_times[warmup_steps(len(step_times)):], peak
+    return timed_step_times(lines), peak
 
 
 def measure_rounds(paths: list[str], nproc: list[int], labels: list[str], steps: int, rounds: int, workdir: str,

@@ -78,6 +78,18 @@ def warmup_steps(n: int) -> int:
     return 0 if n <= 1 else max(1, n // 10)
 
 
+def measured_steps(step_times: list[float]) -> list[float]:
+    """The timed steps (instrumented ones already left out) that count: those after the warm-up."""
+    return step_times[warmup_steps(len(step_times)):]
+
+
+def timed_step_times(records: list[dict]) -> list[float]:
+    """From a metrics file's records, the step times the executor's own median is taken over: steps the
+    CPU memory probe instrumented (`"timed": false`, many times slower under the torch profiler) and
+    the warm-up left out."""
+    return measured_steps([r["step_time_s"] for r in records if "step" in r and r.get("timed", True)])
+
+
 class Metrics:
     def __init__(self, path: str | None, enabled: bool, keep_until_step: int | None = None):
         self.enabled = enabled
@@ -107,13 +119,14 @@ class Metrics:
         if not self.enabled:
             return
         rec = {"step": step, "loss": loss, "step_time_s": step_time_s,
-               "tokens_per_s": tokens / step_time_s if step_time_s > 0 else 0.0, "peak_memory_bytes": peak_memory}
+               "tokens_per_s": tokens / step_time_s if step_time_s > 0 else 0.0, "peak_memory_bytes": peak_memory,
+               "timed": timed}
         if self.fh:
             self.fh.write(json.dumps(rec) + "\n")
             self.fh.flush()
 
     def measured(self) -> float:
-        times = self.step_times[warmup_steps(len(self.step_times)):]
+        times = measured_steps(self.step_times)
         return statistics.median(times) if times else 0.0
 
     def summary(self, predicted_s: float, plan_path: str | None = None, peak_tensor_bytes: int | None = None) -> dict:

@@ -42,3 +42,22 @@ def test_rounds_must_be_positive(capsys):
     assert bench.main(["--rounds", "0"]) == 2
     err = capsys.readouterr().err
     assert "--rounds: expected a positive number" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_run_counts_the_steps_the_executor_times(tmp_path, monkeypatch):
+    """The benchmark pools the steps of a run that the executor's own median uses: not the step its CPU
+    memory probe instrumented (the torch profiler slows it many times), not the warm-up step."""
+    import json
+
+    from executor.metrics import Metrics
+
+    bench = _benchmark()
+    metrics = Metrics(str(tmp_path / "plan0.jsonl"), True)
+    for step, (t, timed) in enumerate([(3.0, True), (9.0, False), (1.0, True), (1.2, True), (1.1, True)], 1):
+        metrics.step(step, 0.0, t, 10, 0, timed=timed)
+    summary = metrics.summary(1.0, peak_tensor_bytes=7)
+    monkeypatch.setattr(bench, "run", lambda cmd: "")
+    times, peak = bench.measure(str(tmp_path / "plan0.json"), 2, 5, str(tmp_path), "plan0")
+    assert times == [1.0, 1.2, 1.1] and peak == 7
+    assert summary["measured_iteration_time_s"] == 1.1
+    assert json.loads((tmp_path / "plan0.jsonl").read_text().splitlines()[1])["timed"] is False
