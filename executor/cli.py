@@ -44,6 +44,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--log-interval", type=int, default=1)
+    ap.add_argument("--gc-interval", type=int, default=50, metavar="K",
+                    help="run Python's garbage collector every K steps, with automatic collection off in between "
+                         "as torchtitan does (default 50; 0: leave automatic collection on)")
     args = ap.parse_args(argv)
     for name in ("steps", "log_interval"):
         if getattr(args, name) < 1:
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                           weight_decay=args.weight_decay, grad_clip=args.grad_clip, metrics=args.metrics,
                           data=args.data, data_dtype=args.data_dtype, checkpoint_dir=args.checkpoint_dir,
                           checkpoint_interval=args.checkpoint_interval, resume=args.resume,
-                          log_interval=args.log_interval, plan_path=args.plan)
+                          log_interval=args.log_interval, plan_path=args.plan, gc_interval=args.gc_interval)
         Trainer(plan, cfg, device).run()
         dist.barrier()  # no rank tears gloo down while another still has work in flight
     except MeshplanError as exc:

@@ -119,8 +119,9 @@ class Metrics:
         if not self.enabled:
             return
         rec = {"step": step, "loss": loss, "step_time_s": step_time_s,
-               "tokens_per_s": tokens / step_time_s if step_time_s > 0 else 0.0, "peak_memory_bytes": peak_memory,
-               "timed": timed}
+               "tokens_per_s": tokens / step_time_s if step_time_s > 0 else 0.0, "peak_memory_bytes": peak_memory}
+        if not timed:  # DESIGN §4's five keys otherwise
+            rec["timed"] = False
         if self.fh:
             self.fh.write(json.dumps(rec) + "\n")
             self.fh.flush()

@@ -7,6 +7,7 @@ groups), else from torch.multiprocessing with a free port on this host (gloo on 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -183,6 +184,7 @@ def _compute_phase(cfg: MeasureConfig, rank: int, world: int, local_world: int, 
             rounds.run(cfg, device, meshes, measuring, distributed)
         if reporter is not None:
             reporter.step(f"compute {point.label()}")
+        gc.collect(1)  # collection is paused while timing (run_rank); the previous point's garbage goes here
         if distributed:
             dist.barrier()
         mesh = meshes.get(point.tp)
@@ -279,9 +281,12 @@ def _steps(cfg: MeasureConfig, world: int, local_world: int) -> int:
 
 def run_rank(cfg: MeasureConfig, rank: int, world: int, local_rank: int, local_world: int) -> dict | None:
     """The per-rank body (process group already initialised when world > 1); rank 0 returns the results."""
+    from executor.train import collection_paused
+
     threads = torch.get_num_threads()
     try:
-        return _run_rank(cfg, rank, world, local_rank, local_world)
+        with collection_paused(True):  # the executor trains without automatic collections; time it alike
+            return _run_rank(cfg, rank, world, local_rank, local_world)
     finally:
         torch.set_num_threads(threads)  # in-process (one rank): leave the caller's threads as they were
 

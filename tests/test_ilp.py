@@ -69,6 +69,7 @@ def test_assignment_ilp_respects_forbidden_cuts():
 
 
 def test_cbc_and_highs_agree():
+    pytest.importorskip("highspy")  # the [highs] extra ([dev] installs it)
     for P in _problems(2_000_000, every=40):
         a, b = solve_counts(P, "CBC"), solve_counts(P, "HiGHS")
         assert (a is None) == (b is None)
