@@ -32,7 +32,7 @@ from profiler.presets import preset_profile
 
 def test_adam_mixed_precision_is_16_bytes_per_param():
     assert sum(state_bytes_per_param("bf16", 0, 8)) == 16.0
-    assert sum(state_bytes_per_param("fp32", 0, 8)) == 16.0  # 4 + 4 + 8, no master copy
+    assert sum(state_bytes_per_param("fp32", 0, 1)) == 16.0  # 4 + 4 + 8, no master copy
     assert state_bytes_per_param("bf16", 1, 8) == (2.0, 2.0, 12.0 / 8)
     assert state_bytes_per_param("bf16", 2, 8) == (2.0, 2.0 / 8, 12.0 / 8)
     assert state_bytes_per_param("bf16", 3, 8) == (2.0 / 8, 2.0 / 8, 12.0 / 8)
@@ -45,6 +45,9 @@ def test_fsdp_state_as_the_executor_holds_it():
     assert state_bytes_per_param("fp32", 2, 2) == (6.0, 2.0, 4.0)
     assert state_bytes_per_param("fp32", 2, 2, accumulating=True) == (6.0, 4.0, 4.0)
     assert state_bytes_per_param("fp32", 3, 2, accumulating=True) == (2.0, 4.0, 4.0)
+    # replicate (ZeRO-0) is FSDP2's engine with the whole parameter as its shard
+    assert state_bytes_per_param("fp32", 0, 2) == (8.0, 4.0, 8.0)
+    assert state_bytes_per_param("bf16", 0, 2) == (2.0, 2.0, 12.0)
     assert state_bytes_per_param("bf16", 3, 8, accumulating=True) == (2.0 / 8, 2.0, 12.0 / 8)
     assert state_bytes_per_param("fp32", 3, 1, accumulating=True) == (4.0, 4.0, 8.0)  # no data parallelism
 
