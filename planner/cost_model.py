@@ -287,11 +287,10 @@ def state_bytes_per_param(dtype: str, zero: int, dp: int, accumulating: bool = F
     p, g, o = STATE_BYTES[dtype]
     if dp <= 1:
         return p, g, o
-    if zero == 0:  # replicate runs on FSDP2's engine: its "shard" is the whole parameter, besides the gathered one
-        return p + (p if dtype == "fp32" else 0.0), g, o
-    shard = p / dp if dtype == "fp32" else 0.0
-    params = p / dp if zero >= 3 else p + shard
-    return params, (g / dp if zero >= 2 and not accumulating else g), o / dp
+    shards = dp if zero >= 1 else 1  # replicate: FSDP2's engine over one shard, the whole parameter
+    shard = p / shards if dtype == "fp32" else 0.0
+    params = p / shards if zero >= 3 else p + shard
+    return params, (g / shards if zero >= 2 and not accumulating else g), o / shards
 
 
 @dataclass
