@@ -51,8 +51,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("steps", "log_interval"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(args, name)}")
-    if args.checkpoint_interval < 0:
-        raise InputError(f"--checkpoint-interval: expected >= 0, got {args.checkpoint_interval}")
+    for name in ("checkpoint_interval", "gc_interval"):
+        if getattr(args, name) < 0:
+            raise InputError(f"--{name.replace('_', '-')}: expected >= 0, got {getattr(args, name)}")
     if args.resume and not args.checkpoint_dir:
         raise InputError("--resume: needs --checkpoint-dir")
     return args

@@ -161,3 +161,4 @@ def test_training_pauses_automatic_collection_and_collects_every_gc_interval(tmp
     seen.clear()
     assert run_executor(str(path), "--steps", "2", "--gc-interval", "0").returncode == 0
     assert seen == [True, True]
+    one_line_error(run_executor(str(path), "--gc-interval", "-1"), "--gc-interval: expected >= 0, got -1")
