@@ -7,18 +7,26 @@ steps, in --rounds interleaved rounds (the machine drifts; one run of each plan 
 they ran in as much as the plans) -> table of predicted vs measured time and peak memory, then median
 absolute error, Spearman rank correlation and the regret of the planner's choice (measured time of the
 chosen plan / best measured).
+Before every run a one-thread probe times one of the model's blocks in this process (a few seconds, while
+nothing else runs): how fast the machine does this work at that moment. The summary reports how far
+identical runs of one plan differed and how well those differences follow the probe, which tells the
+model's error apart from the machine's drift (a shared cloud machine's speed on small operators moved
+x1.25-x2.7 within one minute here, one process on an otherwise idle machine).
 Uses only the public command line (plan, plan profile, torchrun -m executor), as a user would.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 from rich.console import Console
@@ -132,21 +140,102 @@ def measure(plan_path: str, nproc: int, steps: int, workdir: str, tag: str) -> t
     return timed_step_times(lines), peak
 
 
+@dataclass
+class Runs:
+    """One plan's runs: each run's timed step seconds, the machine probe taken just before it (when
+    probing), and the largest measured peak memory."""
+
+    steps: list[list[float]] = field(default_factory=list)
+    probes: list[float] = field(default_factory=list)
+    peak: float = 0.0
+
+    @property
+    def median_s(self) -> float:
+        """The median step over all runs pooled."""
+        return float(np.median([t for run in self.steps for t in run]))
+
+    def run_medians(self) -> list[float]:
+        return [float(np.median(run)) for run in self.steps if run]
+
+
 def measure_rounds(paths: list[str], nproc: list[int], labels: list[str], steps: int, rounds: int, workdir: str,
-                   console: Console) -> list[tuple[float, float]]:
-    """Every plan's median step time over `rounds` runs, taken in interleaved rounds (forward, then
-    backward order, ...) so that the machine's drift over the benchmark spreads over all plans instead
-    of favouring the ones run in a quiet minute; and its largest measured peak."""
-    times: list[list[float]] = [[] for _ in paths]
-    peaks = [0.0] * len(paths)
+                   console: Console, probe: Callable[[], float] | None = None) -> list[Runs]:
+    """Every plan's runs, taken in `rounds` interleaved rounds (forward, then backward order, ...) so that
+    the machine's drift over the benchmark spreads over all plans instead of favouring the ones run in a
+    quiet minute; `probe`, when given, runs before each run."""
+    runs = [Runs() for _ in paths]
     for r in range(rounds):
         order = range(len(paths)) if r % 2 == 0 else reversed(range(len(paths)))
         for i in order:
             console.print(f"round {r + 1}/{rounds}, plan {i + 1}/{len(paths)}: running {labels[i]} ...", markup=False)
+            if probe is not None:
+                runs[i].probes.append(probe())
             step_times, peak = measure(paths[i], nproc[i], steps, workdir, run_tag(i, r))
-            times[i] += step_times
-            peaks[i] = max(peaks[i], peak)
-    return [(float(np.median(t)), p) for t, p in zip(times, peaks)]
+            runs[i].steps.append(step_times)
+            runs[i].peak = max(runs[i].peak, peak)
+    return runs
+
+
+def machine_probe(model: dict, seq_len: int, dtype: str, seconds: float = 2.0) -> Callable[[], float] | None:
+    """A probe of the machine's current speed: the median seconds of one forward + backward of one of the
+    model's blocks at micro-batch size 1, on one thread, over about `seconds`; None when the profiler
+    cannot build the model's layers (a factory model). Run between runs, never beside one."""
+    import torch
+
+    from planner.errors import InputError
+    from planner.model_spec import ModelSpec
+    from profiler.layers import build_case, check_buildable, forward
+
+    spec = ModelSpec.from_dict(model)
+    try:
+        check_buildable(spec)
+    except InputError:
+        return None
+    case = build_case(spec, "block", 1, seq_len, 1, dtype, torch.device("cpu"))
+
+    def probe() -> float:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        gc.disable()
+        try:
+            times, end = [], time.perf_counter() + seconds
+            while time.perf_counter() < end or len(times) < 3:
+                t0 = time.perf_counter()
+                case.backward(forward(case, case.make_input()))
+                times.append(time.perf_counter() - t0)
+                for p in case.parameters():
+                    p.grad = None
+            return float(np.median(times[len(times) // 5:]))  # the first fifth warms up
+        finally:
+            gc.enable()
+            torch.set_num_threads(threads)
+
+    return probe
+
+
+def drift_summary(runs: list[Runs], predicted: list[float]) -> str | None:
+    """How far identical runs of one plan differed, and how well each run's deviation from its plan's
+    typical (log) ratio measured/predicted follows the probe's deviation (Pearson over runs)."""
+    spreads = [max(m) / min(m) for r in runs if len(m := r.run_medians()) > 1 and min(m) > 0]
+    if not spreads:
+        return None
+    text = (f"identical runs of one plan differed x{np.median(spreads):.2f} (median over plans; "
+            f"largest x{max(spreads):.2f})")
+    xs, ys = [], []
+    for r, pred in zip(runs, predicted):
+        meds = r.run_medians()
+        if len(r.probes) != len(meds) or len(meds) < 2 or pred <= 0 or min(r.probes) <= 0:
+            continue
+        lr = np.log(np.array(meds) / pred)
+        lp = np.log(np.array(r.probes))
+        xs += list(lp - lp.mean())
+        ys += list(lr - lr.mean())
+    probes = [p for r in runs for p in r.probes]
+    if probes:
+        text += f"; machine probe ranged x{max(probes) / min(probes):.2f} over the benchmark"
+    if len(xs) >= 3 and np.std(xs) > 0 and np.std(ys) > 0:
+        text += f", run-to-run changes follow it with Pearson {float(np.corrcoef(xs, ys)[0, 1]):+.2f} ({len(xs)} runs)"
+    return text
 
 
 def run_tag(plan: int, round_: int) -> str:
@@ -167,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="runs of every plan, in interleaved rounds; its time is the median step over all of them")
     ap.add_argument("--profile", help="use this profile instead of measuring one")
     ap.add_argument("--workdir", help="keep plans, metrics and the profile here")
+    ap.add_argument("--no-probe", dest="probe", action="store_false",
+                    help="skip the machine probe before each run (a one-thread block pass timed for 2 s)")
     ap.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                     help="skip fitting `plan calibrate` on half the runs and checking the other half")
     args = ap.parse_args(argv)
@@ -205,18 +296,24 @@ def main(argv: list[str] | None = None) -> int:
     for path, plan in zip(paths, plans):
         with open(path, "w") as fh:
             json.dump(plan, fh)
-    measured = measure_rounds(paths, [p["world_size"] for p in plans], [label(p["parallel"]) for p in plans],
-                              args.steps, args.rounds, workdir, console)
-    rows = [Row(label(plan["parallel"]), plan["predicted"]["iteration_time_s"], measured_s,
-                plan["predicted"]["peak_memory_bytes"], measured_mem, chosen=i == 0)
-            for i, (plan, (measured_s, measured_mem)) in enumerate(zip(plans, measured))]
+    probe = machine_probe(plans[0]["model"], args.seq_len, args.dtype) if args.probe else None
+    runs = measure_rounds(paths, [p["world_size"] for p in plans], [label(p["parallel"]) for p in plans],
+                          args.steps, args.rounds, workdir, console, probe)
+    rows = [Row(label(plan["parallel"]), plan["predicted"]["iteration_time_s"], r.median_s,
+                plan["predicted"]["peak_memory_bytes"], r.peak, chosen=i == 0)
+            for i, (plan, r) in enumerate(zip(plans, runs))]
+    all_probes = [p for r in runs for p in r.probes]
     table = Table(title=f"{args.model} on {args.cluster} ({nproc} ranks), {args.steps} steps x {args.rounds} "
                         f"rounds each")
-    for col in ("plan", "predicted ms", "measured ms", "error", "pred. peak MiB", "meas. peak MiB"):
+    columns = ["plan", "predicted ms", "measured ms", "error", "pred. peak MiB", "meas. peak MiB"]
+    for col in columns + (["machine"] if all_probes else []):
         table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(("* " if r.chosen else "") + r.label, f"{r.predicted_s * 1e3:.1f}", f"{r.measured_s * 1e3:.1f}",
-                      f"{r.error:+.0%}", f"{r.predicted_mem / 2**20:.1f}", f"{r.measured_mem / 2**20:.1f}")
+    for r, plan_runs in zip(rows, runs):
+        cells = [("* " if r.chosen else "") + r.label, f"{r.predicted_s * 1e3:.1f}", f"{r.measured_s * 1e3:.1f}",
+                 f"{r.error:+.0%}", f"{r.predicted_mem / 2**20:.1f}", f"{r.measured_mem / 2**20:.1f}"]
+        if all_probes:  # the probe's seconds before this plan's runs over its median over the benchmark
+            cells.append(f"x{np.median(plan_runs.probes) / np.median(all_probes):.2f}")
+        table.add_row(*cells)
     console.print(table)
     errors = [abs(r.error) for r in rows]
     measured = [r.measured_s for r in rows]
@@ -224,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     rho = spearman([r.predicted_s for r in rows], measured)
     console.print(f"median |error| {np.median(errors):.1%}   Spearman {rho:.2f}"
                   f"   regret {regret:.2f}   ({len(rows)} plans; * = the planner's choice; files in {workdir})")
+    drift = drift_summary(runs, [r.predicted_s for r in rows])
+    if drift:
+        console.print(f"noise: {drift}" + ("; machine: the probe's time before the plan's runs over its median"
+                                            if all_probes else ""))
     if args.calibrate and len(rows) >= 4:
         calibrate_held_out(console, plan_cmd, workdir, profile, rows, args.rounds)
     return 0

@@ -31,10 +31,45 @@ def test_rounds_alternate_order_and_pool_the_steps(tmp_path, monkeypatch):
         return ([1.0, 2.0, 3.0] if first else [10.0, 20.0]), (100.0 if first else 50.0) * (i + 1)
 
     monkeypatch.setattr(bench, "measure", fake_measure)
-    out = bench.measure_rounds(paths, [1, 1, 1], ["a", "b", "c"], 4, 2, str(tmp_path), Console(quiet=True))
-    assert calls == [(0, "plan0"), (1, "plan1"), (2, "plan2"), (2, "plan2.r2"), (1, "plan1.r2"), (0, "plan0.r2")]
-    # median of the pooled steps [1, 2, 3, 10, 20]; the larger of the two rounds' peaks
-    assert out == [(3.0, 100.0), (3.0, 200.0), (3.0, 300.0)]
+    probes = iter(range(1, 7))
+
+    def probe():
+        calls.append("probe")
+        return float(next(probes))
+
+    out = bench.measure_rounds(paths, [1, 1, 1], ["a", "b", "c"], 4, 2, str(tmp_path), Console(quiet=True), probe)
+    runs = [c for c in calls if c != "probe"]
+    assert runs == [(0, "plan0"), (1, "plan1"), (2, "plan2"), (2, "plan2.r2"), (1, "plan1.r2"), (0, "plan0.r2")]
+    assert calls[::2] == ["probe"] * 6  # a probe just before every run
+    # median of the pooled steps [1, 2, 3, 10, 20]; the larger of the two rounds' peaks; each run's probe
+    assert [(r.median_s, r.peak) for r in out] == [(3.0, 100.0), (3.0, 200.0), (3.0, 300.0)]
+    assert [r.probes for r in out] == [[1.0, 6.0], [2.0, 5.0], [3.0, 4.0]]
+    assert out[0].run_medians() == [2.0, 15.0]
+
+
+def test_noise_summary_separates_run_to_run_drift_from_the_plans_errors():
+    """Two plans, each run twice: plan 0 is off by 2x in both runs (the model's error), and the runs'
+    deviations follow the probe exactly; the summary reports the spread of identical runs and Pearson +1."""
+    bench = _benchmark()
+    runs = [bench.Runs(steps=[[1.0, 1.0], [1.5, 1.5]], probes=[2.0, 3.0]),
+            bench.Runs(steps=[[4.0], [2.0]], probes=[0.02, 0.01])]
+    text = bench.drift_summary(runs, predicted=[0.5, 3.0])
+    assert "differed x1.75 (median over plans; largest x2.00)" in text
+    assert "machine probe ranged x300.00" in text
+    assert "Pearson +1.00 (4 runs)" in text
+    assert bench.drift_summary([bench.Runs(steps=[[1.0]])], [1.0]) is None  # one run each: nothing to compare
+
+
+def test_machine_probe_times_a_block_of_the_model():
+    from planner.model_sources import builtin_model
+
+    bench = _benchmark()
+    model = builtin_model("tiny").to_dict()
+    probe = bench.machine_probe(model, 16, "fp32", seconds=0.05)
+    t = probe()
+    assert 0 < t < 1.0
+    factory = dict(model, arch="custom")
+    assert bench.machine_probe(factory, 16, "fp32") is None  # the profiler cannot build it: no probe
 
 
 def test_rounds_must_be_positive(capsys):
