@@ -96,3 +96,32 @@ def test_a_run_counts_the_steps_the_executor_times(tmp_path, monkeypatch):
     assert times == [1.0, 1.2, 1.1] and peak == 7
     assert summary["measured_iteration_time_s"] == 1.1
     assert json.loads((tmp_path / "plan0.jsonl").read_text().splitlines()[1])["timed"] is False
+
+
+def _trace_tool():
+    spec = importlib.util.spec_from_file_location("pipeline_trace",
+                                                  os.path.join(ROOT, "benchmarks", "pipeline_trace.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pipeline_trace_splits_a_step_into_actions_waits_and_the_rest():
+    """Two steps of one rank: F0, F1, B0, B1 with a wait before each backward; the report covers the
+    second half (step 1): actions 4 ms, waits 2 ms, span 10 ms, so 4 ms between them."""
+    tool = _trace_tool()
+    events = []
+    for step in range(2):
+        t = step * 100.0
+        for kind, mb, start in (("F", 0, 0.0), ("F", 1, 0.002), ("B", 0, 0.005), ("B", 1, 0.009)):
+            if kind == "B":
+                events.append(("wait", -1, t + start - 0.001, t + start, 0.0))
+            events.append((kind, mb, t + start, t + start + 0.001, 0.0005))
+    lines = tool.summarise({0: events}, steps=2)
+    assert lines == ["rank 0: F 1.00 ms (CPU 0.50), B 1.00 ms (CPU 0.50); step span 10.0 ms = actions 4.0 "
+                     "+ waits 2.0 + rest 4.0"]
+
+
+def test_pipeline_trace_report_without_files_is_a_one_line_error(tmp_path, capsys):
+    assert _trace_tool().report(str(tmp_path / "none")) == 2
+    assert "no " in capsys.readouterr().err

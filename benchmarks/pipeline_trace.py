@@ -1,0 +1,112 @@
+"""Time every pipeline action of a real executor run: where a pipelined step's time goes.
+
+    torchrun --nproc-per-node 4 benchmarks/pipeline_trace.py PLAN.json --steps 12 --trace /tmp/tr
+    python benchmarks/pipeline_trace.py --report /tmp/tr
+
+The first runs `python -m executor PLAN.json ...` (every executor flag passes through) with each
+stage's forward, backward and weight-gradient action and each wait on point-to-point transfers timed in
+wall and process CPU time (torch.distributed.pipelining's own methods, wrapped); each rank writes
+TRACE.RANK.json. The second prints, per rank, the median action times over the second half of the steps
+and how a step's span splits into actions, waits and the rest (posting sends, schedule bookkeeping).
+CPU time over wall time below 1 inside an action means the rank shared its core.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import statistics
+import sys
+import time
+
+KINDS = {"forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight_one_chunk": "W"}
+
+Event = tuple[str, int, float, float, float]  # kind, micro-batch (-1: a wait), start, end, CPU seconds
+
+
+def _install(events: list[Event]) -> None:
+    import torch.distributed.pipelining.schedules as schedules
+    import torch.distributed.pipelining.stage as stage
+
+    def timed(fn, kind: str):
+        def wrapper(*args, **kwargs):
+            t0, c0 = time.perf_counter(), time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                mb = args[1] if len(args) > 1 else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id", -1))
+                events.append((kind, mb if kind != "wait" else -1, t0, time.perf_counter(),
+                               time.process_time() - c0))
+        return wrapper
+
+    for name, kind in KINDS.items():
+        setattr(stage._PipelineStageBase, name, timed(getattr(stage._PipelineStageBase, name), kind))
+    if hasattr(schedules, "_wait_batch_p2p"):  # private in torch 2.8-2.13; without it no waits are timed
+        schedules._wait_batch_p2p = timed(schedules._wait_batch_p2p, "wait")
+
+
+def trace(argv: list[str]) -> int:
+    out = argv[argv.index("--trace") + 1]
+    rest = argv[:argv.index("--trace")] + argv[argv.index("--trace") + 2:]
+    events: list[Event] = []
+    _install(events)
+    from executor.cli import main, parse_args
+
+    steps = parse_args(rest).steps  # a fresh run (no --resume) runs this many steps
+    code = main(rest)
+    with open(f"{out}.{os.environ.get('RANK', '0')}.json", "w") as fh:
+        json.dump({"steps": steps, "events": events}, fh)
+    return code
+
+
+def summarise(events: dict[int, list[Event]], steps: int) -> list[str]:
+    """Per rank: median wall and CPU ms of each action kind, and per step the span from its first to
+    its last action split into actions, waits and the rest; over the second half of the steps."""
+    lines = []
+    for rank in sorted(events):
+        actions = [e for e in events[rank] if e[0] != "wait"]
+        per_step = len(actions) // steps if steps else 0
+        if per_step == 0:
+            continue
+        first = steps // 2
+        cells = []
+        for kind in "FBW":
+            xs = [e for e in actions[first * per_step:] if e[0] == kind]
+            if xs:
+                cells.append(f"{kind} {statistics.median(e[3] - e[2] for e in xs) * 1e3:.2f} ms "
+                             f"(CPU {statistics.median(e[4] for e in xs) * 1e3:.2f})")
+        spans, busy, waits = [], [], []
+        for s in range(first, steps):
+            acts = actions[s * per_step:(s + 1) * per_step]
+            start, end = acts[0][2], acts[-1][3]
+            spans.append(end - start)
+            busy.append(sum(e[3] - e[2] for e in acts))
+            waits.append(sum(e[3] - e[2] for e in events[rank] if e[0] == "wait" and start <= e[2] < end))
+        span, act, wait = (statistics.median(x) * 1e3 for x in (spans, busy, waits))
+        lines.append(f"rank {rank}: {', '.join(cells)}; step span {span:.1f} ms = actions {act:.1f} + waits "
+                     f"{wait:.1f} + rest {span - act - wait:.1f}")
+    return lines
+
+
+def report(prefix: str) -> int:
+    files = sorted(glob.glob(f"{prefix}.*.json"))
+    if not files:
+        print(f"pipeline_trace: --report: no {prefix}.RANK.json files", file=sys.stderr)
+        return 2
+    data = {int(f.rsplit(".", 2)[1]): json.load(open(f)) for f in files}
+    events = {rank: [tuple(e) for e in d["events"]] for rank, d in data.items()}
+    for line in summarise(events, data[min(data)]["steps"]):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if args[:1] == ["--report"] and len(args) == 2:
+        sys.exit(report(args[1]))
+    if "--trace" not in args or args.index("--trace") + 1 >= len(args):
+        print(__doc__.strip().splitlines()[0] + "\nusage: torchrun ... pipeline_trace.py PLAN.json [executor flags] "
+              "--trace PREFIX | pipeline_trace.py --report PREFIX", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(trace(args))
