@@ -8,7 +8,8 @@ they ran in as much as the plans) -> table of predicted vs measured time and pea
 absolute error, Spearman rank correlation and the regret of the planner's choice (measured time of the
 chosen plan / best measured).
 Before every run a one-thread probe times one of the model's blocks in this process (a few seconds, while
-nothing else runs): how fast the machine does this work at that moment. The summary reports how far
+nothing else runs, and once right after profiling): how fast the machine does this work at that moment.
+The summary reports how far
 identical runs of one plan differed and how well those differences follow the probe, which tells the
 model's error apart from the machine's drift (a shared cloud machine's speed on small operators moved
 x1.25-x2.7 within one minute here, one process on an otherwise idle machine).
@@ -213,9 +214,11 @@ def machine_probe(model: dict, seq_len: int, dtype: str, seconds: float = 2.0) -
     return probe
 
 
-def drift_summary(runs: list[Runs], predicted: list[float]) -> str | None:
+def drift_summary(runs: list[Runs], predicted: list[float], at_profile: float | None = None) -> str | None:
     """How far identical runs of one plan differed, and how well each run's deviation from its plan's
-    typical (log) ratio measured/predicted follows the probe's deviation (Pearson over runs)."""
+    typical (log) ratio measured/predicted follows the probe's deviation (Pearson over runs); with
+    `at_profile`, the probe taken right after profiling against its median over the runs (the profile
+    is a snapshot of the machine at that time)."""
     spreads = [max(m) / min(m) for r in runs if len(m := r.run_medians()) > 1 and min(m) > 0]
     if not spreads:
         return None
@@ -232,7 +235,9 @@ def drift_summary(runs: list[Runs], predicted: list[float]) -> str | None:
         ys += list(lr - lr.mean())
     probes = [p for r in runs for p in r.probes]
     if probes:
-        text += f"; machine probe ranged x{max(probes) / min(probes):.2f} over the benchmark"
+        text += f"; machine probe ranged x{max(probes) / min(probes):.2f} over the runs"
+        if at_profile is not None:
+            text += f" and was x{at_profile / np.median(probes):.2f} of their median right after profiling"
     if len(xs) >= 3 and np.std(xs) > 0 and np.std(ys) > 0:
         text += f", run-to-run changes follow it with Pearson {float(np.corrcoef(xs, ys)[0, 1]):+.2f} ({len(xs)} runs)"
     return text
@@ -270,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(workdir, exist_ok=True)
     plan_cmd = [sys.executable, "-m", "planner"]
     profile = args.profile or os.path.join(workdir, "profile.json")
+    at_profile = None  # the machine probe right after profiling
     if not args.profile:
         # every micro-batch size the sweep can plan (powers of two up to the global batch), so the
         # planner interpolates the measured times rather than extrapolating them
@@ -277,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"profiling {args.model} on {args.cluster} (micro-batch sizes {' '.join(sizes)}) ...")
         run(plan_cmd + ["profile", args.model, "--cluster", args.cluster, "-o", profile, "--dtype", args.dtype,
                         "--seq-len", str(args.seq_len), "--micro-batch-sizes", *sizes])
+        if args.probe:
+            with open(profile) as fh:
+                early = machine_probe(json.load(fh)["model"], args.seq_len, args.dtype)
+            at_profile = early() if early is not None else None
     common = [args.model, "--cluster", args.cluster, "--profile", profile, "--dtype", args.dtype,
               "--global-batch-size", str(args.global_batch_size), "--seq-len", str(args.seq_len)]
     best = json.loads(run(plan_cmd + common + ["--top-k", str(args.top_k), "--json"]))
@@ -321,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     rho = spearman([r.predicted_s for r in rows], measured)
     console.print(f"median |error| {np.median(errors):.1%}   Spearman {rho:.2f}"
                   f"   regret {regret:.2f}   ({len(rows)} plans; * = the planner's choice; files in {workdir})")
-    drift = drift_summary(runs, [r.predicted_s for r in rows])
+    drift = drift_summary(runs, [r.predicted_s for r in rows], at_profile)
     if drift:
         console.print(f"noise: {drift}" + ("; machine: the probe's time before the plan's runs over its median"
                                             if all_probes else ""))

@@ -55,7 +55,9 @@ def test_noise_summary_separates_run_to_run_drift_from_the_plans_errors():
             bench.Runs(steps=[[4.0], [2.0]], probes=[0.02, 0.01])]
     text = bench.drift_summary(runs, predicted=[0.5, 3.0])
     assert "differed x1.75 (median over plans; largest x2.00)" in text
-    assert "machine probe ranged x300.00" in text
+    assert "machine probe ranged x300.00 over the runs" in text
+    with_profile = bench.drift_summary(runs, predicted=[0.5, 3.0], at_profile=0.5)
+    assert "and was x0.50 of their median right after profiling" in with_profile  # median probe 1.0
     assert "Pearson +1.00 (4 runs)" in text
     assert bench.drift_summary([bench.Runs(steps=[[1.0]])], [1.0]) is None  # one run each: nothing to compare
 
