@@ -9,10 +9,9 @@ absolute error, Spearman rank correlation and the regret of the planner's choice
 chosen plan / best measured).
 Before every run a one-thread probe times one of the model's blocks in this process (a few seconds, while
 nothing else runs, and once right after profiling): how fast the machine does this work at that moment.
-The summary reports how far
-identical runs of one plan differed and how well those differences follow the probe, which tells the
-model's error apart from the machine's drift (a shared cloud machine's speed on small operators moved
-x1.25-x2.7 within one minute here, one process on an otherwise idle machine).
+The summary reports how far identical runs of one plan differed and how well those differences follow the
+probe, which tells the model's error apart from the machine's drift (a shared cloud machine's speed on
+small operators moved x1.25-x2.7 within one minute here, one process on an otherwise idle machine).
 Uses only the public command line (plan, plan profile, torchrun -m executor), as a user would.
 """
 
