@@ -154,7 +154,7 @@ class _EarlyRounds:
             if distributed:
                 dist.barrier()
             self.bare.append(chain_pass_times(cfg.model, sizes, s, cfg.dtype, device, cfg.timing,
-                                              lockstep=distributed and cfg.device_kind == "cpu"))
+                                              lockstep=lockstep(cfg, distributed)))
             if distributed:
                 dist.barrier()
             self.optimizer.append(measure_optimizer(cfg.model, cfg.dtype, device, cfg.timing))
@@ -200,7 +200,7 @@ def _compute_phase(cfg: MeasureConfig, rank: int, world: int, local_world: int, 
     if distributed:
         dist.barrier()
     chains = measure_chains(cfg.model, cfg.micro_batch_sizes, s, cfg.dtype, device, cfg.timing,
-                            lockstep=distributed and cfg.device_kind == "cpu", earlier=rounds.bare) if measuring else []
+                            lockstep=lockstep(cfg, distributed), earlier=rounds.bare) if measuring else []
     for tp, mesh in meshes.items():  # CPU: every TP group at once; GPU: the first group
         if reporter is not None:
             reporter.step(f"whole-model chain, tp={tp}")
@@ -214,6 +214,11 @@ def _compute_phase(cfg: MeasureConfig, rank: int, world: int, local_world: int, 
         dist.barrier()
     opt = measure_optimizer(cfg.model, cfg.dtype, device, cfg.timing) if measuring else 0.0
     return samples, chains, median(rounds.optimizer + [opt]) if measuring else 0.0
+
+
+def lockstep(cfg: MeasureConfig, distributed: bool) -> bool:
+    """Whether the ranks start each chain size together: CPU ranks all measure at once and share the cores."""
+    return distributed and cfg.device_kind == "cpu"
 
 
 def chain_round_positions(device_kind: str, points: int) -> set[int]:
