@@ -47,8 +47,8 @@ def _install(events: list[Event]) -> None:
 
 
 def trace(argv: list[str]) -> int:
-    out = argv[argv.index("--trace") + 1]
-    rest = argv[:argv.index("--trace")] + argv[argv.index("--trace") + 2:]
+    at = argv.index("--trace")
+    out, rest = argv[at + 1], argv[:at] + argv[at + 2:]
     events: list[Event] = []
     _install(events)
     from executor.cli import main, parse_args
@@ -101,12 +101,18 @@ def report(prefix: str) -> int:
     return 0
 
 
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--report"]:
+        if len(argv) != 2:
+            print("pipeline_trace: --report: expected one PREFIX (the --trace of the run)", file=sys.stderr)
+            return 2
+        return report(argv[1])
+    if "--trace" not in argv or argv.index("--trace") + 1 >= len(argv):
+        print("pipeline_trace: --trace: expected PREFIX (torchrun ... pipeline_trace.py PLAN.json [executor flags] "
+              "--trace PREFIX, or pipeline_trace.py --report PREFIX)", file=sys.stderr)
+        return 2
+    return trace(argv)
+
+
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    if args[:1] == ["--report"] and len(args) == 2:
-        sys.exit(report(args[1]))
-    if "--trace" not in args or args.index("--trace") + 1 >= len(args):
-        print(__doc__.strip().splitlines()[0] + "\nusage: torchrun ... pipeline_trace.py PLAN.json [executor flags] "
-              "--trace PREFIX | pipeline_trace.py --report PREFIX", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(trace(args))
+    sys.exit(main(sys.argv[1:]))

@@ -24,7 +24,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -178,34 +177,30 @@ def measure_rounds(paths: list[str], nproc: list[int], labels: list[str], steps:
 
 def machine_probe(model: dict, seq_len: int, dtype: str, seconds: float = 2.0) -> Callable[[], float] | None:
     """A probe of the machine's current speed: the median seconds of one forward + backward of one of the
-    model's blocks at micro-batch size 1, on one thread, over about `seconds`; None when the profiler
-    cannot build the model's layers (a factory model). Run between runs, never beside one."""
+    model's blocks at micro-batch size 1, on one thread, timed by the profiler's own loop for about
+    `seconds`; None when the profiler cannot build the model's layers (a factory model). Run between
+    runs, never beside one."""
     import torch
 
     from planner.errors import InputError
     from planner.model_spec import ModelSpec
-    from profiler.layers import build_case, check_buildable, forward
+    from profiler.compute import TimingConfig, median, time_passes
+    from profiler.layers import check_buildable
 
     spec = ModelSpec.from_dict(model)
     try:
         check_buildable(spec)
     except InputError:
         return None
-    case = build_case(spec, "block", 1, seq_len, 1, dtype, torch.device("cpu"))
+    timing = TimingConfig(warmup=5, repeats=3, max_repeats=10**9, budget_s=seconds)
 
     def probe() -> float:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         gc.disable()
         try:
-            times, end = [], time.perf_counter() + seconds
-            while time.perf_counter() < end or len(times) < 3:
-                t0 = time.perf_counter()
-                case.backward(forward(case, case.make_input()))
-                times.append(time.perf_counter() - t0)
-                for p in case.parameters():
-                    p.grad = None
-            return float(np.median(times[len(times) // 5:]))  # the first fifth warms up
+            fwds, bwds = time_passes(spec, "block", 1, seq_len, 1, dtype, torch.device("cpu"), timing)
+            return median([f + b for f, b in zip(fwds, bwds)])
         finally:
             gc.enable()
             torch.set_num_threads(threads)
@@ -274,7 +269,6 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(workdir, exist_ok=True)
     plan_cmd = [sys.executable, "-m", "planner"]
     profile = args.profile or os.path.join(workdir, "profile.json")
-    at_profile = None  # the machine probe right after profiling
     if not args.profile:
         # every micro-batch size the sweep can plan (powers of two up to the global batch), so the
         # planner interpolates the measured times rather than extrapolating them
@@ -282,10 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"profiling {args.model} on {args.cluster} (micro-batch sizes {' '.join(sizes)}) ...")
         run(plan_cmd + ["profile", args.model, "--cluster", args.cluster, "-o", profile, "--dtype", args.dtype,
                         "--seq-len", str(args.seq_len), "--micro-batch-sizes", *sizes])
-        if args.probe:
-            with open(profile) as fh:
-                early = machine_probe(json.load(fh)["model"], args.seq_len, args.dtype)
-            at_profile = early() if early is not None else None
+    probe = None
+    if args.probe:
+        with open(profile) as fh:
+            probe = machine_probe(json.load(fh)["model"], args.seq_len, args.dtype)
+    at_profile = probe() if probe is not None and not args.profile else None  # right after profiling
     common = [args.model, "--cluster", args.cluster, "--profile", profile, "--dtype", args.dtype,
               "--global-batch-size", str(args.global_batch_size), "--seq-len", str(args.seq_len)]
     best = json.loads(run(plan_cmd + common + ["--top-k", str(args.top_k), "--json"]))
@@ -305,7 +300,6 @@ def main(argv: list[str] | None = None) -> int:
     for path, plan in zip(paths, plans):
         with open(path, "w") as fh:
             json.dump(plan, fh)
-    probe = machine_probe(plans[0]["model"], args.seq_len, args.dtype) if args.probe else None
     runs = measure_rounds(paths, [p["world_size"] for p in plans], [label(p["parallel"]) for p in plans],
                           args.steps, args.rounds, workdir, console, probe)
     rows = [Row(label(plan["parallel"]), plan["predicted"]["iteration_time_s"], r.median_s,

@@ -127,3 +127,12 @@ def test_pipeline_trace_splits_a_step_into_actions_waits_and_the_rest():
 def test_pipeline_trace_report_without_files_is_a_one_line_error(tmp_path, capsys):
     assert _trace_tool().report(str(tmp_path / "none")) == 2
     assert "no " in capsys.readouterr().err
+
+
+def test_pipeline_trace_bad_arguments_are_one_line_errors(capsys):
+    tool = _trace_tool()
+    for argv, field in ((["plan.json", "--steps", "2"], "--trace"), (["plan.json", "--trace"], "--trace"),
+                        (["--report"], "--report"), (["--report", "a", "b"], "--report")):
+        assert tool.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"pipeline_trace: {field}:") and len(err.strip().splitlines()) == 1
