@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planner.plan import SCHEDULES, Plan, stage_rank
 
@@ -35,16 +35,19 @@ class StageTimes:
 
     `backward` is the whole backward (input-grad + weight-grad); zero-bubble schedules split it, giving
     `weight_fraction` of it to the weight-grad. `communication` is the point-to-point time of the tensor
-    this stage sends to its neighbour (activation forward, its gradient backward)."""
+    this stage sends to its neighbour (activation forward, its gradient backward). `overhead` is the
+    stage's work besides computing (pipeline bookkeeping, engine hooks, collectives), run after the
+    forward and the backward in proportion to them; processor sharing does not speed it up (`simulate`)."""
 
     forward: float
     backward: float
     recompute: float = 0.0
     communication: float = 0.0
     weight_fraction: float = 0.5
+    overhead: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("forward", "backward", "recompute", "communication"):
+        for name in ("forward", "backward", "recompute", "communication", "overhead"):
             if getattr(self, name) < 0:
                 raise ValueError(f"StageTimes.{name}: expected >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.weight_fraction <= 1.0:
@@ -233,8 +236,10 @@ def simulate(schedule: str, pp: int, virtual_stages: int, num_micro_batches: int
     `stage_times[k]` are stage k's per-micro-batch times (k over pp x virtual_stages stages, in model
     order). `rate(n)`: how fast each computing rank runs, relative to those times, while n ranks compute
     at once (processor sharing: CPU ranks that outnumber the cores run faster when others idle in the
-    bubble); None: always 1. Point-to-point time is not scaled. Raises ValueError on inconsistent
-    arguments and RuntimeError if the orders deadlock."""
+    bubble); None: always 1. Point-to-point time and the stages' `overhead` are not scaled: on 4 CPU
+    ranks sharing 2 cores a pipeline's ranks spend most of that time waiting (GPipe, pp 4, tiny: 1.3 of
+    the 2 cores busy over a step, two thirds of rank 0's step waits), which idle cores do not shorten.
+    Raises ValueError on inconsistent arguments and RuntimeError if the orders deadlock."""
     num_stages = pp * virtual_stages
     if len(stage_times) != num_stages:
         raise ValueError(f"stage_times: expected pp x virtual_stages = {num_stages} entries, got {len(stage_times)}")
@@ -311,12 +316,17 @@ def simulate(schedule: str, pp: int, virtual_stages: int, num_micro_batches: int
             continue
         speed = rate(len(running)) if rate is not None else 1.0
         for job in running.values():
-            job.pace(now, speed)
+            job.pace(now, speed if job.spans[0][2] else 1.0)
         now = min(wake, min(job.end for job in running.values()))
         for r, job in list(running.items()):
             if job.end > now + _EPS:
                 continue
-            events.append(Event(r, job.action.stage, job.action.micro_batch, job.spans[0][0], job.span_start, now))
+            prev = events[job.event] if job.event >= 0 else None
+            if prev is not None and prev.kind == job.spans[0][0]:  # an overhead span continues its computation
+                events[job.event] = replace(prev, end=now)
+            else:
+                job.event = len(events)
+                events.append(Event(r, job.action.stage, job.action.micro_batch, job.spans[0][0], job.span_start, now))
             job.spans.pop(0)
             job.span_start = now
             job.speed = 0.0  # the next span's end is set by pace
@@ -333,15 +343,16 @@ _EPS = 1e-12
 
 @dataclass
 class _Running:
-    """The action a rank is computing: its spans (kind, seconds of work), the current one first, and
-    when the current one ends at the present `speed` (0: not yet paced)."""
+    """The action a rank is computing: its spans (kind, seconds of work, sped up by processor sharing),
+    the current one first, and when the current one ends at the present `speed` (0: not yet paced)."""
 
     action: Action
     started: float
-    spans: list[tuple[str, float]]
+    spans: list[tuple[str, float, bool]]
     span_start: float = 0.0
     end: float = 0.0
     speed: float = 0.0
+    event: int = -1  # index of this action's latest event
 
     def __post_init__(self) -> None:
         self.span_start = self.started
@@ -351,25 +362,31 @@ class _Running:
         the speed never changes, so a constant-rate run matches the fixed-speed timeline)."""
         if self.speed == speed:
             return
-        kind, work = self.spans[0]
+        kind, work, shared = self.spans[0]
         if self.speed > 0:
             work = (self.end - now) * self.speed
-            self.spans[0] = (kind, work)
+            self.spans[0] = (kind, work, shared)
         self.end = now + work / speed
         self.speed = speed
 
 
-def _spans(a: Action, st: StageTimes) -> list[tuple[str, float]]:
-    """The (kind, seconds) an action computes, in order; zero-length ones left out."""
+def _spans(a: Action, st: StageTimes) -> list[tuple[str, float, bool]]:
+    """The (kind, seconds, shared) an action computes, in order; zero-length ones left out. The stage's
+    overhead follows the forward and the backward in proportion (the backward's share on the input-grad
+    of a split backward), under the computation's kind, not sped up by sharing."""
+    work = st.forward + st.backward
+    share = st.forward / work if work > 0 else 0.5
     if a.kind == "F":
-        spans = [("forward", st.forward)]
+        spans = [("forward", st.forward, True), ("forward", st.overhead * share, False)]
     elif a.kind == "B":
-        spans = [("recompute", st.recompute), ("backward", st.backward)]
+        spans = [("recompute", st.recompute, True), ("backward", st.backward, True),
+                 ("backward", st.overhead * (1 - share), False)]
     elif a.kind == "I":
-        spans = [("recompute", st.recompute), ("backward_input", st.backward * (1 - st.weight_fraction))]
+        spans = [("recompute", st.recompute, True), ("backward_input", st.backward * (1 - st.weight_fraction), True),
+                 ("backward_input", st.overhead * (1 - share), False)]
     else:
-        spans = [("backward_weight", st.backward * st.weight_fraction)]
-    return [(k, sec) for k, sec in spans if sec > 0]
+        spans = [("backward_weight", st.backward * st.weight_fraction, True)]
+    return [(k, sec, shared) for k, sec, shared in spans if sec > 0]
 
 
 def _max_in_flight(orders: list[list[Action]]) -> dict[int, int]:

@@ -34,6 +34,7 @@ from planner.cost_model import (
     in_flight,
     least_recompute,
     model_flops_per_iteration,
+    pipeline_busy_wait,
     pipeline_stage_time,
     root_hook_time,
     state_bytes_per_param,
@@ -180,8 +181,12 @@ class Search:
         agg = self._layer_sums(tp, cand.dp, cand.zero, links.dp, grad_sync(cand))
         rank = self._ranks(pp, cand.schedule, cand.v)
         hop = self.terms.hop(b, tp, links.pp) if pp > 1 else 0.0
-        pipe = sum(pipeline_stage_time(self.profile, hop, crossings(rank, k), cand.schedule,
-                                       unfused_share(cand.schedule, pp, cand.m, rank[k])) for k in range(S))
+        pipe = 0.0
+        for k in range(S):  # as build_problem's boundary less its relief (cost_model.lower_bound)
+            unfused = unfused_share(cand.schedule, pp, cand.m, rank[k])
+            t = pipeline_stage_time(self.profile, hop, crossings(rank, k), cand.schedule, unfused, b)
+            busy, _ = pipeline_busy_wait(self.profile, cand.schedule, unfused, b)
+            pipe += min(t, busy * crossings(rank, k)) if busy > 0 else t
         unhidden = unhidden_share(self.profile, cand.dp, cand.zero, q.num_layers, S)
         z3 = max(agg["gather"] - fsum - gsum, unhidden * agg["gather"]) if agg["gather"] > 0 else 0.0
         work = tsum + pipe + z3 + S * root_hook_time(self.profile, cand.dp, cand.zero)

@@ -9,9 +9,17 @@ keeps every rank at the measured speed, which over-predicts bubble-heavy plans (
 on 2 cores: GPipe pp=4 with 2 micro-batches ran in 88 ms against 142 ms predicted). For pipelined plans the
 search therefore predicts the pipeline part by simulating the plan's own schedule with processor sharing
 (planner/schedule.py) from the closed form's per-stage times; the once-per-iteration tail (optimizer,
-exposed gradient sync) runs on all ranks and keeps the measured speed. The simulation, not the closed
-form's bubble formula, then also sets the bubble: for zero-bubble V with few micro-batches (m < 2pp − 1)
-that formula is optimistic, and scaling it by the sharing speed-up would count the bubble twice.
+exposed gradient sync) runs on all ranks and keeps the measured speed. Only computation speeds up: a
+stage's other work (pipeline bookkeeping and transfers, engine hooks) keeps its measured time, and 1F1B's
+wait for a round trip, which the in-situ pairs measure with the bookkeeping, goes on the hops, where the
+schedule's own order decides whether a rank waits for it. Timed inside the executor (GPipe, pp 4, tiny),
+the stages' forward and backward matched the simulation's at full speed while the ranks used 1.3 of the
+2 cores and rank 0 waited two thirds of its step; re-predicted from their own profiles
+(`benchmarks/resimulate.py`), four tiny/4 benchmark runs moved from 22.2-26.3 % median error to
+15.8-20.4 % and from Spearman 0.75-0.84 to 0.79-0.89, while tiny/2 and gpt-20m changed by under 1 point.
+The simulation, not the closed form's bubble formula, then also sets the bubble: for zero-bubble V with
+few micro-batches (m < 2pp − 1) that formula is optimistic, and scaling it by the sharing speed-up would
+count the bubble twice.
 
 Where no cores are shared the search runs on the closed form and then re-ranks its best candidates by the
 same simulation at constant speed (Search.rescore): the closed form's (m + bubble)·τ_max charges every
@@ -49,16 +57,12 @@ def relative_rate(profile) -> Rate | None:
 
 
 def stage_times(ev: Evaluation) -> list[StageTimes]:
-    """Per-micro-batch stage times of an evaluation; the stage's other CPU work (pipeline overhead, engine
-    hooks, parameter gathers) is spread over its forward and backward in proportion."""
-    out = []
-    for s in ev.stages:
-        work = s.forward + s.backward
-        extra = max(0.0, s.communication)
-        f = s.forward + (extra * s.forward / work if work > 0 else extra / 2)
-        g = s.backward + (extra * s.backward / work if work > 0 else extra / 2)
-        out.append(StageTimes(forward=f, backward=g, recompute=s.recompute))
-    return out
+    """Per-micro-batch stage times of an evaluation: the stage's other work (pipeline overhead, engine
+    hooks, parameter gathers) as its `overhead`, less the part of 1F1B's pipeline cost that is waiting
+    on the neighbour, which goes on the hops (cost_model.pipeline_busy_wait)."""
+    return [StageTimes(forward=s.forward, backward=s.backward, recompute=s.recompute,
+                       overhead=max(0.0, s.communication - s.relief), communication=s.hop_wait)
+            for s in ev.stages]
 
 
 def shared_iteration_time(ev: Evaluation, schedule: str, pp: int, v: int, m: int, replicas: int,

@@ -136,3 +136,42 @@ def test_pipeline_trace_bad_arguments_are_one_line_errors(capsys):
         assert tool.main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"pipeline_trace: {field}:") and len(err.strip().splitlines()) == 1
+
+
+def test_resimulate_repredicts_a_finished_run(tmp_path):
+    """resimulate reads a benchmark's workdir: the plans' recorded predictions, the cost model's
+    prediction now (unchanged model: the same), and each plan's runs pooled as the benchmark pools them."""
+    import json
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import resimulate
+
+    from planner.cluster_spec import parse_cluster
+    from planner.constraints import Constraints
+    from planner.model_sources import builtin_model
+    from planner.plan import save_plan
+    from planner.search import find_plan
+    from profiler.presets import preset_profile
+    from profiler.profile import save_profile
+
+    model, cluster = builtin_model("tiny"), parse_cluster("2xcpu")
+    profile = preset_profile(model, cluster, "fp32")
+    save_profile(profile, str(tmp_path / "profile.json"))
+    base = dict(global_batch_size=8, seq_len=64, dtype="fp32", top_k=0)
+    plans = [find_plan(model, cluster, Constraints(**base, dp=2, tp=1, pp=1), profile),
+             find_plan(model, cluster, Constraints(**base, dp=1, tp=1, pp=2, schedule="gpipe"), profile)]
+    steps = [[0.9, 1.0, 1.0, 1.2], [0.5, 3.0, 3.0, 3.0]]  # two runs of two timed steps per plan
+    for i, (plan, times) in enumerate(zip(plans, steps)):
+        save_plan(plan, str(tmp_path / f"plan{i}.json"))
+        for tag, run in ((f"plan{i}", times[:2]), (f"plan{i}.r2", times[2:])):
+            records = [{"step": k + 1, "step_time_s": t} for k, t in enumerate([9.0] + run)]  # 9.0: warm-up
+            (tmp_path / f"{tag}.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    lines = resimulate.resimulate(str(tmp_path), None)
+    assert len(lines) == 1 + 2 + 2
+    recorded = [p.predicted.iteration_time_s for p in plans]
+    measured = [resimulate.measured_s(str(tmp_path / f"plan{i}.json")) for i in range(2)]
+    assert measured[1] == 3.0  # both runs of plan 1 pooled, each run's warm-up step left out
+    err, rho, regret = resimulate.summary(recorded, measured)
+    assert f"median |error| {err:.1%}" in lines[-2] and f"median |error| {err:.1%}" in lines[-1]
+    assert regret == (1.0 if recorded[0] < recorded[1] else measured[1] / min(measured))
+    assert resimulate.main([str(tmp_path / "missing")]) == 2

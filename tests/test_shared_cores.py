@@ -73,3 +73,63 @@ def test_pruning_keeps_the_best_shared_prediction():
     everything = Search(model, cluster, constraints, _profile(cores=2)).run(10**6)
     assert len(everything) > 10
     assert pruned[0].time == pytest.approx(min(r.time for r in everything))
+
+
+def _with_pipeline_costs(profile, gpipe: float = 1e-3, steady: float = 3.3e-3):
+    """In-situ pipeline figures as tiny's 4-rank profile measured them (GPipe 0.97 ms, 1F1B 3.3 ms at b=1)."""
+    from profiler.profile import PipelineSample
+
+    overheads = {"gpipe": gpipe, "1f1b": steady, "interleaved-1f1b": 2e-3, "zero-bubble": 2.4e-3}
+    profile.pipeline_overheads = dict(overheads)
+    profile.pipeline_samples = [PipelineSample(1, dict(overheads)),  # the P2P grows with the micro-batch
+                                PipelineSample(16, {k: 2 * v for k, v in overheads.items()})]
+    return profile
+
+
+def test_overhead_keeps_its_measured_time_on_shared_cores():
+    rate = relative_rate(_profile(cores=2))
+    with_overhead = [StageTimes(1.0, 2.0, overhead=1.0)] * 4
+    folded = [StageTimes(1.0 + 1 / 3, 2.0 + 2 / 3)] * 4
+    alone = simulate("gpipe", 4, 1, 2, with_overhead)
+    assert alone.makespan == pytest.approx(simulate("gpipe", 4, 1, 2, folded).makespan)
+    assert len(alone.events) == 4 * 2 * 2  # the overhead continues its computation's event
+    # at most 2 of 4 ranks compute: the computation runs twice as fast, the overhead as measured
+    assert simulate("gpipe", 4, 1, 2, with_overhead, rate=rate).makespan == pytest.approx(5 * (1.5 + 1.0))
+
+
+def test_one_f_one_b_round_trip_waits_on_the_hops():
+    from planner.cost_model import pipeline_busy_wait
+
+    profile = _with_pipeline_costs(_profile(cores=2))
+    busy, wait = pipeline_busy_wait(profile, "1f1b")
+    assert busy == pytest.approx(1e-3) and wait == pytest.approx(1.3e-3)  # 3.3 = 2 x 1.0 + 1.3
+    assert pipeline_busy_wait(profile, "1f1b", unfused=0.5)[1] == pytest.approx(0.65e-3)
+    assert pipeline_busy_wait(profile, "gpipe") == (0.0, 0.0)  # all of GPipe's figure is the ranks' work
+    assert pipeline_busy_wait(_profile(cores=2), "1f1b") == (0.0, 0.0)  # presets: nothing measured
+
+
+SLOW = 0.1  # a 1F1B figure far above twice GPipe's, most of it a wait on the hops: the bound's stress case
+
+
+def test_shared_pruning_stays_sound_with_pipeline_costs():
+    """Pipeline costs that the simulation does not speed up, and 1F1B's wait moved onto the hops, keep
+    bound / speedup below every solved candidate's prediction, and the quick bounds equal the per-layer ones."""
+    from planner.cost_model import lower_bound
+    from planner.search import Search, candidates
+
+    model, cluster = builtin_model("tiny"), parse_cluster("4xcpu")
+    constraints = Constraints(global_batch_size=16, seq_len=64, dtype="fp32", top_k=0, zero=0, recompute="none")
+    search = Search(model, cluster, constraints, _with_pipeline_costs(_profile(cores=2), steady=SLOW))
+    checked = 0
+    for cand in candidates(model, cluster, constraints, search.placer):
+        problem = search.problem(cand)
+        bound = search.bounds(cand)[0]
+        assert bound == pytest.approx(lower_bound(problem), rel=1e-9)
+        solution = search.partition.solve(problem)
+        if solution is not None and cand.pp > 1:
+            assert bound / search.speedup(cand) <= search.iteration_time(cand, problem, solution) * (1 + 1e-9)
+            checked += 1
+    assert checked > 5
+    pruned = Search(model, cluster, constraints, _with_pipeline_costs(_profile(cores=2))).run(1)
+    everything = Search(model, cluster, constraints, _with_pipeline_costs(_profile(cores=2))).run(10**6)
+    assert pruned[0].time == pytest.approx(min(r.time for r in everything))
