@@ -162,3 +162,14 @@ def test_cpu_profiles_spread_the_chain_rounds_over_the_compute_grid():
     assert chain_round_positions("cpu", 10) == {0, 5}  # and the round after the grid: three in all
     assert chain_round_positions("cuda", 10) == set()
     assert chain_round_positions("cpu", 0) == set()
+
+
+def test_hook_cost_from_cpu_time_where_the_hooks_only_compute():
+    from profiler.wrappers import _hook_seconds
+
+    # 4 ranks on 2 cores: the bare pass got half a core (wall 8 ms, CPU 4 ms); the wrapped pass's CPU
+    # time says 3 units added 1.5 CPU-ms, whatever its wall time swung to
+    assert _hook_seconds(0.008, 0.007, 0.004, 0.0055, 3, cpu_bound=True) == pytest.approx(0.001)
+    assert _hook_seconds(0.008, 0.011, 0.004, 0.0055, 3, cpu_bound=False) == pytest.approx(0.001)  # ZeRO-3, GPU
+    assert _hook_seconds(0.008, 0.011, 0.004, 0.0030, 3, cpu_bound=True) == 0.0
+    assert _hook_seconds(0.004, 0.0055, 0.004, 0.0055, 3, cpu_bound=True) == pytest.approx(0.0005)  # own core
