@@ -7,7 +7,8 @@ The first runs `python -m executor PLAN.json ...` (every executor flag passes th
 stage's forward, backward and weight-gradient action and each wait on point-to-point transfers timed in
 wall and process CPU time (torch.distributed.pipelining's own methods, wrapped); each rank writes
 TRACE.RANK.json. The second prints, per rank, the median action times over the second half of the steps
-and how a step's span splits into actions, waits and the rest (posting sends, schedule bookkeeping).
+and how a step's span splits into actions, waits and the rest (posting sends, schedule bookkeeping),
+and the executor's whole training steps: wall and CPU time per rank, and the cores all ranks kept busy.
 CPU time over wall time below 1 inside an action means the rank shared its core.
 """
 
@@ -36,12 +37,15 @@ def _install(events: list[Event]) -> None:
                 return fn(*args, **kwargs)
             finally:
                 mb = args[1] if len(args) > 1 else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id", -1))
-                events.append((kind, mb if kind != "wait" else -1, t0, time.perf_counter(),
+                events.append((kind, mb if kind in KINDS.values() else -1, t0, time.perf_counter(),
                                time.process_time() - c0))
         return wrapper
 
     for name, kind in KINDS.items():
         setattr(stage._PipelineStageBase, name, timed(getattr(stage._PipelineStageBase, name), kind))
+    from executor.train import Trainer  # the whole training step (schedule, clip, AdamW, loss reduction)
+
+    Trainer.train_step = timed(Trainer.train_step, "step")
     if hasattr(schedules, "_wait_batch_p2p"):  # private in torch 2.8-2.13; without it no waits are timed
         schedules._wait_batch_p2p = timed(schedules._wait_batch_p2p, "wait")
 
@@ -65,7 +69,7 @@ def summarise(events: dict[int, list[Event]], steps: int) -> list[str]:
     its last action split into actions, waits and the rest; over the second half of the steps."""
     lines = []
     for rank in sorted(events):
-        actions = [e for e in events[rank] if e[0] != "wait"]
+        actions = [e for e in events[rank] if e[0] in KINDS.values()]
         per_step = len(actions) // steps if steps else 0
         if per_step == 0:
             continue
@@ -86,7 +90,22 @@ def summarise(events: dict[int, list[Event]], steps: int) -> list[str]:
         span, act, wait = (statistics.median(x) * 1e3 for x in (spans, busy, waits))
         lines.append(f"rank {rank}: {', '.join(cells)}; step span {span:.1f} ms = actions {act:.1f} + waits "
                      f"{wait:.1f} + rest {span - act - wait:.1f}")
-    return lines
+    return lines + _steps(events, steps)
+
+
+def _steps(events: dict[int, list[Event]], steps: int) -> list[str]:
+    """The executor's training steps over the second half: median wall and CPU ms per rank, and the
+    cores all ranks kept busy (their CPU seconds over the slowest rank's wall, summed over those steps)."""
+    per_rank = {r: [e for e in evs if e[0] == "step"][steps // 2:] for r, evs in events.items()}
+    per_rank = {r: xs for r, xs in per_rank.items() if xs}
+    if not per_rank:
+        return []
+    cells = [f"rank {r} {statistics.median(e[3] - e[2] for e in xs) * 1e3:.1f} ms "
+             f"(CPU {statistics.median(e[4] for e in xs) * 1e3:.1f})" for r, xs in sorted(per_rank.items())]
+    wall = max(sum(e[3] - e[2] for e in xs) for xs in per_rank.values())
+    cpu = sum(e[4] for xs in per_rank.values() for e in xs)
+    return [f"training step: {', '.join(cells)}; {cpu / wall:.2f} cores busy" if wall > 0 else
+            f"training step: {', '.join(cells)}"]
 
 
 def report(prefix: str) -> int:

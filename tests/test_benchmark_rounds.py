@@ -122,6 +122,11 @@ def test_pipeline_trace_splits_a_step_into_actions_waits_and_the_rest():
     lines = tool.summarise({0: events}, steps=2)
     assert lines == ["rank 0: F 1.00 ms (CPU 0.50), B 1.00 ms (CPU 0.50); step span 10.0 ms = actions 4.0 "
                      "+ waits 2.0 + rest 4.0"]
+    # the executor's whole steps of two ranks (12 ms wall; 9 and 6 CPU-ms): 15 CPU-ms in 12 ms
+    steps = {r: events + [("step", -1, s * 100.0, s * 100.0 + 0.012, cpu) for s in range(2)]
+             for r, cpu in ((0, 0.009), (1, 0.006))}
+    assert tool.summarise(steps, steps=2)[-1] == \
+        "training step: rank 0 12.0 ms (CPU 9.0), rank 1 12.0 ms (CPU 6.0); 1.25 cores busy"
 
 
 def test_pipeline_trace_report_without_files_is_a_one_line_error(tmp_path, capsys):
