@@ -58,11 +58,16 @@ def _model(spec: ModelSpec, blocks: int, device: torch.device, dtype: str, mesh=
 
 
 def _pass_time(model, b: int, s: int, spec: ModelSpec, device: torch.device, cfg: TimingConfig,
-               sync: bool | None = None, zero: int = 0, tp_mesh=None, cpu: list[float] | None = None) -> float:
+               sync: bool | None = None, zero: int = 0, tp_mesh=None) -> float:
     """Typical forward + backward seconds of a pass (a fixed count: wrapped ranks run them in lockstep).
     sync=False: gradient-accumulation micro-batches as the executor runs them (nothing reduced; below
-    ZeRO-3 parameters stay gathered); sync=True: every pass reduces its gradients (the last micro-batch).
-    `cpu`: a list that receives the mean process CPU seconds of the timed passes."""
+    ZeRO-3 parameters stay gathered); sync=True: every pass reduces its gradients (the last micro-batch)."""
+    return _pass_times(model, b, s, spec, device, cfg, sync, zero, tp_mesh)[0]
+
+
+def _pass_times(model, b: int, s: int, spec: ModelSpec, device: torch.device, cfg: TimingConfig,
+                sync: bool | None = None, zero: int = 0, tp_mesh=None) -> tuple[float, float]:
+    """`_pass_time` and the mean process CPU seconds of the same timed passes."""
     if sync is not None:
         model.set_requires_gradient_sync(sync)
         if zero <= 2:
@@ -75,14 +80,11 @@ def _pass_time(model, b: int, s: int, spec: ModelSpec, device: torch.device, cfg
     def one() -> None:
         with context():
             loss(model(tokens), targets).backward()
-    if cpu is None:
-        return typical_time(one, device, cfg.warmup, cfg.repeats)
     for _ in range(cfg.warmup):
         one()
     c0 = time.process_time()
     wall = typical_time(one, device, 0, cfg.repeats)
-    cpu.append((time.process_time() - c0) / cfg.repeats)
-    return wall
+    return wall, (time.process_time() - c0) / cfg.repeats
 
 
 def _optimizer_time(model, device: torch.device, cfg: TimingConfig, executors: bool = False) -> float:
@@ -133,8 +135,8 @@ def _hook_seconds(bare_s: float, accumulate_s: float, bare_cpu: float, accumulat
     on accumulation micro-batches: ZeRO-0 to 2) and the ranks share CPU cores, from the passes' process
     CPU time, at the bare pass's own wall over CPU ratio (the share of a core each rank got): the
     difference of two wall times of ~10 ms passes on 4 ranks time-sliced over 2 cores swings by more
-    than the hooks (tiny, replicate: 0.0-4.4 ms per unit in six samples within minutes, CPU time 0.5-1.6
-    ms); otherwise, and on GPUs, from the wall times."""
+    than the hooks (tiny, replicate, 4 ranks: 0.0-4.4 ms per unit in six samples within minutes, this
+    0.6-1.3 ms in six others); otherwise, and on GPUs, from the wall times."""
     if cpu_bound and bare_cpu > 0:
         return max(0.0, accumulate_cpu - bare_cpu) / units * max(1.0, bare_s / bare_cpu)
     return max(0.0, accumulate_s - bare_s) / units
@@ -152,21 +154,18 @@ def measure_wrappers(spec: ModelSpec, b: int, s: int, dtype: str, device: torch.
     units = blocks + 1
     bare = _model(spec, blocks, device, dtype)
     on_cpu = device.type == "cpu"
-    bare_cpu: list[float] = []
-    bare_s = _pass_time(bare, b, s, spec, device, cfg, cpu=bare_cpu if on_cpu else None)
+    bare_s, bare_cpu = _pass_times(bare, b, s, spec, device, cfg)
     bare_opt = _optimizer_time(bare, device, cfg)
     samples = []
     for engine in ENGINES:
         zero = ENGINE_ZERO[engine]
         dist.barrier()
         model = _model(spec, blocks, device, dtype, mesh, zero=zero)
-        acc_cpu: list[float] = []
-        accumulate = _pass_time(model, b, s, spec, device, cfg, sync=False, zero=zero, cpu=acc_cpu if on_cpu else None)
+        accumulate, acc_cpu = _pass_times(model, b, s, spec, device, cfg, sync=False, zero=zero)
         synced = _pass_time(model, b, s, spec, device, cfg, sync=True, zero=zero)
         opt = _optimizer_time(model, device, cfg, executors=True)
         share = 1.0 / world if zero >= 1 else 1.0  # sharded: each rank steps 1/world of the parameters
-        hook = _hook_seconds(bare_s, accumulate, bare_cpu[0] if bare_cpu else 0.0, acc_cpu[0] if acc_cpu else 0.0,
-                             units, cpu_bound=on_cpu and zero <= 2)
+        hook = _hook_seconds(bare_s, accumulate, bare_cpu, acc_cpu, units, cpu_bound=on_cpu and zero <= 2)
         hook, sync = _rank_median([hook, max(0.0, synced - accumulate)], device)
         samples.append(WrapperSample(engine, world, b, s, wrapped_unit_params(spec, blocks), hook_s=hook,
                                      sync_s=sync, optimizer_ratio=opt / max(bare_opt * share, 1e-12)))
