@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import socket
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -363,6 +364,12 @@ def _spawned(rank: int, world: int, port: int, cfg_dict: dict, result_path: str)
     if result is not None:
         with open(result_path, "w", encoding="utf-8") as fh:
             json.dump(result, fh)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter finalization: gloo's worker threads can abort it ("terminate called without an
+    # active exception", SIGABRT) after the process group is destroyed, which would fail a finished
+    # profile (seen in spawned test workers on a 2-core machine; pytorch/pytorch#179291 describes it).
+    os._exit(0)
 
 
 def _run_ranks(cfg: MeasureConfig) -> dict:

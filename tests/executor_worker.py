@@ -6,6 +6,7 @@ or {"name": "error: ..."} when a plan failed.
 """
 
 import json
+import os
 import sys
 import traceback
 
@@ -69,6 +70,24 @@ def reference_losses(plan_path: str, steps: int, seed: int, tokens=None) -> list
 def repo_root() -> str:
     import os
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run_then_exit(rank: int, fn, args: tuple) -> None:
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter finalization: gloo's worker threads can abort it ("terminate called without an
+    # active exception", SIGABRT) after the work is done and the process group destroyed; seen in 1 of
+    # 6-9 runs of two spawned tests on this machine (pytorch/pytorch#179291 describes the race).
+    os._exit(0)
+
+
+def spawn_ranks(fn, *args, nprocs: int = 2) -> None:
+    """torch.multiprocessing.spawn of fn(rank, *args) on `nprocs` processes; a worker that returns exits
+    at once (see _run_then_exit); one that raises fails the spawn as usual."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_run_then_exit, args=(fn, args), nprocs=nprocs, join=True)
 
 
 def free_port() -> int:

@@ -7,12 +7,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from executor.train import TrainConfig, Trainer
 from planner.cost_model import Candidate, grad_sync
 from planner.plan import load_plan, save_plan
-from tests.executor_worker import free_port
+from tests.executor_worker import free_port, spawn_ranks
 from tests.helpers import make_plan
 
 
@@ -48,7 +47,7 @@ def test_zero2_and_zero3_reduce_scatter_every_micro_batch_without_pipelining(tmp
         path = str(tmp_path / f"z{zero}.json")
         save_plan(make_plan(cluster="2xcpu", dp=2, zero=zero, micro_batch_size=1, num_micro_batches=3), path)
         plans[f"z{zero}"] = path
-    mp.spawn(_grad_sync_worker, args=(2, free_port(), plans, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_grad_sync_worker, 2, free_port(), plans, str(tmp_path))
     seen = json.loads((tmp_path / "seen.json").read_text())
     assert seen["z1"] == [False, False, False]
     assert seen["z2"] == seen["z3"] == [False, True, True]
@@ -93,7 +92,7 @@ def test_sequence_parallel_gradients_are_reduced_once_before_the_norm_and_the_st
     plan = make_plan(cluster="2xcpu", tp=2, sequence_parallel=True, micro_batch_size=2, num_micro_batches=2)
     path = str(tmp_path / "tp2-sp.json")
     save_plan(plan, path)
-    mp.spawn(_norm_worker, args=(2, free_port(), path, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_norm_worker, 2, free_port(), path, str(tmp_path))
     got = json.loads((tmp_path / "norm.json").read_text())
 
     p, cfg = plan.parallel, TrainConfig(steps=1)

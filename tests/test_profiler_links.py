@@ -6,11 +6,10 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from profiler.links import LinkTiming, fit_link, fit_relative, fit_timings, message_sizes, time_ops
 from profiler.profile import LINK_OPS, LinkFit, collective_factors
-from tests.executor_worker import free_port
+from tests.executor_worker import free_port, spawn_ranks
 
 
 def synthetic(op: str, n: int, alpha: float, beta: float, noise: float, seed: int = 0):
@@ -70,7 +69,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_gloo_collectives_on_two_processes(tmp_path):
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_worker, 2, free_port(), str(tmp_path))
     lines = (tmp_path / "fits.txt").read_text().split("\n")
     fits = {op: LinkFit(float(a), float(b), int(n)) for op, a, b, n, _ in (ln.split() for ln in lines if ln)}
     assert set(fits) == set(LINK_OPS)
@@ -99,6 +98,6 @@ def _mean_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 def test_cpu_ranks_keep_the_mean_of_what_each_measured(tmp_path):
-    mp.spawn(_mean_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_mean_worker, 2, free_port(), str(tmp_path))
     values = [float(v) for v in (tmp_path / "mean.txt").read_text().split()]
     assert values == pytest.approx([1.5, 3.0, 4.5, 6.0, 0.75, 1.5e-9])

@@ -6,7 +6,6 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -17,7 +16,7 @@ from planner.model_spec import ModelSpec, block_params
 from profiler.analytic import DTYPE_BYTES, layer_activation_bytes
 from profiler.layers import build_tp_case
 from profiler.memory import measure_activations, measure_state, saved_bytes
-from tests.executor_worker import free_port
+from tests.executor_worker import free_port, spawn_ranks
 
 CPU = torch.device("cpu")
 
@@ -197,7 +196,7 @@ def test_analytic_sequence_parallel_counts_pytorchs_gathered_norm_outputs(tmp_pa
     executor.parallelize.apply_tp and its vocabulary-parallel loss): the norms keep their sequence shard,
     but the q/k/v and w1/w3 Linears keep the all-gathered whole sequence, unlike Megatron-LM's sequence
     parallelism (Korthikanti Eq. 5); the head keeps the log-softmax of its vocabulary shard."""
-    mp.spawn(_sequence_parallel_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_sequence_parallel_worker, 2, free_port(), str(tmp_path))
     specs = {"gpt2": GPT_SMALL, "llama": LLAMA_SMALL}
     for line in (tmp_path / "saved.txt").read_text().split("\n"):
         name, kind, measured = line.split()
