@@ -125,6 +125,16 @@ def pipeline_busy_wait(profile, schedule: str, unfused: float = 0.0, b: int | No
     return gpipe * corr, (1 - unfused) * max(0.0, steady - 2 * gpipe) * corr
 
 
+def pipeline_stage_split(profile, hop: float, crossings: int, schedule: str, unfused: float = 0.0,
+                         b: int | None = None) -> tuple[float, float, float]:
+    """(`pipeline_stage_time`, the part of it that is not the stage's own work in the shared-core
+    simulation, the wait per crossing it puts on the hops instead): the one rule for build_problem's
+    boundaries and Search.bounds' sums."""
+    t = pipeline_stage_time(profile, hop, crossings, schedule, unfused, b)
+    busy, wait = pipeline_busy_wait(profile, schedule, unfused, b)
+    return t, (max(0.0, t - busy * crossings) if busy > 0 else 0.0), wait
+
+
 def unfused_share(schedule: str, pp: int, m: int, rank: int) -> float:
     """Share of a 1F1B rank's micro-batches outside the steady state. Schedule1F1B fuses each backward's
     send with the next forward's receive (and the reverse) only in its 1B1F phase; the min(m, pp − rank)
@@ -684,12 +694,9 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
     rank = [stage_rank(k, pp, cand.schedule, v) for k in range(S)]
     hop = terms.hop(b, tp, links.pp) if pp > 1 else 0.0
     root = root_hook_time(profile, dp, zero)
-    unfused = [unfused_share(cand.schedule, pp, cand.m, rank[k]) for k in range(S)]
-    pipe = [pipeline_stage_time(profile, hop, crossings(rank, k), cand.schedule, unfused[k], b) for k in range(S)]
-    boundary = [root + t for t in pipe]
-    busy_wait = [pipeline_busy_wait(profile, cand.schedule, unfused[k], b) for k in range(S)]
-    relief = [max(0.0, pipe[k] - busy * crossings(rank, k)) if busy > 0 else 0.0
-              for k, (busy, _) in enumerate(busy_wait)]
+    splits = [pipeline_stage_split(profile, hop, crossings(rank, k), cand.schedule,
+                                   unfused_share(cand.schedule, pp, cand.m, rank[k]), b) for k in range(S)]
+    boundary = [root + t for t, _, _ in splits]
     inflight = [in_flight(cand.schedule, pp, v, cand.m, r) for r in range(pp)]
     state_bytes = state_bytes_per_param(dtype, zero, dp, sync.full_grads)
     tied = sum(layer.tied_params for layer in model.layers if layer.kind == "head")
@@ -702,7 +709,7 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
         rec_time=rec_time, rec_saving=rec_saving, rec_tp=rec_tp, boundary=boundary, rank=rank, pp=pp,
         inflight=inflight, fixed=fixed, mem_limit=mem_limit, weight=cand.m + bubble, bubble=bubble, m=cand.m,
         unhidden=unhidden_share(profile, dp, zero, len(kinds), S), recompute=recompute, cuts=cuts,
-        boundary_relief=relief, hop_wait=[w for _, w in busy_wait],
+        boundary_relief=[r for _, r, _ in splits], hop_wait=[w for _, _, w in splits],
         ws=step_transients(model, cand, seq_len, dtype, rank),
         grads_idle=grads_idle(state_bytes, cand.m, inflight),
     )

@@ -34,8 +34,7 @@ from planner.cost_model import (
     in_flight,
     least_recompute,
     model_flops_per_iteration,
-    pipeline_busy_wait,
-    pipeline_stage_time,
+    pipeline_stage_split,
     root_hook_time,
     state_bytes_per_param,
     state_kept,
@@ -182,11 +181,10 @@ class Search:
         rank = self._ranks(pp, cand.schedule, cand.v)
         hop = self.terms.hop(b, tp, links.pp) if pp > 1 else 0.0
         pipe = 0.0
-        for k in range(S):  # as build_problem's boundary less its relief (cost_model.lower_bound)
-            unfused = unfused_share(cand.schedule, pp, cand.m, rank[k])
-            t = pipeline_stage_time(self.profile, hop, crossings(rank, k), cand.schedule, unfused, b)
-            busy, _ = pipeline_busy_wait(self.profile, cand.schedule, unfused, b)
-            pipe += min(t, busy * crossings(rank, k)) if busy > 0 else t
+        for k in range(S):  # build_problem's boundary less its relief, as cost_model.lower_bound sums it
+            t, relief, _ = pipeline_stage_split(self.profile, hop, crossings(rank, k), cand.schedule,
+                                                unfused_share(cand.schedule, pp, cand.m, rank[k]), b)
+            pipe += t - relief
         unhidden = unhidden_share(self.profile, cand.dp, cand.zero, q.num_layers, S)
         z3 = max(agg["gather"] - fsum - gsum, unhidden * agg["gather"]) if agg["gather"] > 0 else 0.0
         work = tsum + pipe + z3 + S * root_hook_time(self.profile, cand.dp, cand.zero)

@@ -364,11 +364,16 @@ def _spawned(rank: int, world: int, port: int, cfg_dict: dict, result_path: str)
     if result is not None:
         with open(result_path, "w", encoding="utf-8") as fh:
             json.dump(result, fh)
+    exit_spawned_rank()
+
+
+def exit_spawned_rank() -> None:
+    """End a torch.multiprocessing rank whose work is done without interpreter finalization: gloo's
+    worker threads can abort it ("terminate called without an active exception", SIGABRT) after the
+    process group is destroyed, which would fail the finished spawn (seen in 1 of 6-9 runs of two
+    spawned tests on a 2-core machine; pytorch/pytorch#179291 describes the race)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    # Skip interpreter finalization: gloo's worker threads can abort it ("terminate called without an
-    # active exception", SIGABRT) after the process group is destroyed, which would fail a finished
-    # profile (seen in spawned test workers on a 2-core machine; pytorch/pytorch#179291 describes it).
     os._exit(0)
 
 

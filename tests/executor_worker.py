@@ -6,7 +6,6 @@ or {"name": "error: ..."} when a plan failed.
 """
 
 import json
-import os
 import sys
 import traceback
 
@@ -73,18 +72,15 @@ def repo_root() -> str:
 
 
 def _run_then_exit(rank: int, fn, args: tuple) -> None:
+    from profiler.measure import exit_spawned_rank
+
     fn(rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip interpreter finalization: gloo's worker threads can abort it ("terminate called without an
-    # active exception", SIGABRT) after the work is done and the process group destroyed; seen in 1 of
-    # 6-9 runs of two spawned tests on this machine (pytorch/pytorch#179291 describes the race).
-    os._exit(0)
+    exit_spawned_rank()
 
 
 def spawn_ranks(fn, *args, nprocs: int = 2) -> None:
     """torch.multiprocessing.spawn of fn(rank, *args) on `nprocs` processes; a worker that returns exits
-    at once (see _run_then_exit); one that raises fails the spawn as usual."""
+    at once (profiler.measure.exit_spawned_rank); one that raises fails the spawn as usual."""
     import torch.multiprocessing as mp
 
     mp.spawn(_run_then_exit, args=(fn, args), nprocs=nprocs, join=True)
