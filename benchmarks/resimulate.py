@@ -18,6 +18,7 @@ import json
 import os
 import re
 import sys
+from dataclasses import asdict
 
 import numpy as np
 
@@ -29,6 +30,7 @@ from predict_vs_measure import label, spearman  # noqa: E402
 
 from executor.metrics import timed_step_times  # noqa: E402
 from planner.calibrate import predict  # noqa: E402
+from planner.errors import InputError  # noqa: E402
 from planner.plan import load_plan  # noqa: E402
 from profiler.profile import load_profile  # noqa: E402
 
@@ -62,8 +64,7 @@ def resimulate(workdir: str, profile_path: str | None) -> list[str]:
             continue
         plan = load_plan(path)
         t = predict(plan, load_profile(profile_path, plan.model))
-        with open(path) as fh:
-            label_text = label(json.load(fh)["parallel"])
+        label_text = label(asdict(plan.parallel))
         then.append(plan.predicted.iteration_time_s)
         now.append(t)
         meas.append(m)
@@ -84,10 +85,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     for workdir in args.workdirs:
         profile = args.profile
+        if not os.path.isdir(workdir):
+            print(f"resimulate: WORKDIR: '{workdir}' is not a directory (a predict_vs_measure --workdir)",
+                  file=sys.stderr)
+            return 2
         if profile is None and not os.path.exists(os.path.join(workdir, "profile.json")):
             print(f"resimulate: {workdir}: no profile.json; pass --profile", file=sys.stderr)
             return 2
-        print("\n".join(resimulate(workdir, profile)))
+        try:
+            print("\n".join(resimulate(workdir, profile)))
+        except InputError as exc:  # an unreadable profile or plan: one line, as the CLIs print it
+            print(f"resimulate: {exc}", file=sys.stderr)
+            return 2
     return 0
 
 

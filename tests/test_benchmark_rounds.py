@@ -143,7 +143,7 @@ def test_pipeline_trace_bad_arguments_are_one_line_errors(capsys):
         assert err.startswith(f"pipeline_trace: {field}:") and len(err.strip().splitlines()) == 1
 
 
-def test_resimulate_repredicts_a_finished_run(tmp_path):
+def test_resimulate_repredicts_a_finished_run(tmp_path, capsys):
     """resimulate reads a benchmark's workdir: the plans' recorded predictions, the cost model's
     prediction now (unchanged model: the same), and each plan's runs pooled as the benchmark pools them."""
     import json
@@ -179,4 +179,8 @@ def test_resimulate_repredicts_a_finished_run(tmp_path):
     err, rho, regret = resimulate.summary(recorded, measured)
     assert f"median |error| {err:.1%}" in lines[-2] and f"median |error| {err:.1%}" in lines[-1]
     assert regret == (1.0 if recorded[0] < recorded[1] else measured[1] / min(measured))
+    capsys.readouterr()
     assert resimulate.main([str(tmp_path / "missing")]) == 2
+    assert resimulate.main([str(tmp_path), "--profile", str(tmp_path / "none.json")]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 2 and errors[0].startswith("resimulate: WORKDIR:") and "--profile" in errors[1]
