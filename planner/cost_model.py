@@ -249,8 +249,8 @@ def unhidden_share(profile, dp: int, zero: int, num_layers: int, num_stages: int
 
 def optimizer_time(profile, params: float, dp: int, zero: int, tp: int = 1) -> float:
     """Optimizer step over the parameters this device updates (÷dp with ZeRO ≥ 1): memory bound, measured
-    seconds per parameter of the executor's global-norm clip and AdamW, or preset ones (AdamW's 36 B
-    touched per parameter, profiler/presets.py; the clip's ~12 B are not counted there), times the
+    seconds per parameter of the executor's global-norm clip and AdamW, or preset ones (AdamW's 36 B and
+    the clip's 12 B touched per parameter, profiler/presets.py), times the
     measured cost of stepping DTensor parameters: the data-parallel engine's, or the tensor-parallel
     model's (the larger of the two when both)."""
     w = profile.wrapper(zero) if dp > 1 else None
