@@ -261,6 +261,24 @@ def optimizer_time(profile, params: float, dp: int, zero: int, tp: int = 1) -> f
     return profile.optimizer_s_per_param * params / (dp if zero >= 1 else 1) * ratio * profile.correction("optimizer")
 
 
+def step_sync_time(profile, world: int, links: "Links") -> float:
+    """The executor's two all-reduces of a scalar over every rank each step (the global gradient norm for
+    the clip, the logged loss): as the profiler timed one when it ran this many ranks, else the link fit
+    at 8 bytes (presets: the documented latency); 0 on one rank, and for a measured profile of this many
+    ranks from before the figure was timed: on CPU the fit's intercept, from 4 KiB up, is far above a
+    scalar's (4 gloo ranks on 2 cores: 5.5 ms at 4 KiB, 0.4 ms for a scalar)."""
+    if world <= 1:
+        return 0.0
+    measured = getattr(profile, "step_sync_s", 0.0)
+    own_ranks = profile.source == "measured" and world == int(profile.settings.get("ranks", 0))
+    if own_ranks:
+        one = measured
+    else:
+        link = "inter_node" if "inter_node" in (links.tp, links.pp, links.dp) else "intra_node"
+        one = profile.collective_time("all_reduce", 8.0, world, link)
+    return 2.0 * one * profile.correction("optimizer")
+
+
 def bubble_micro_batches(schedule: str, pp: int, v: int, zb_ratio: float) -> float:
     """Idle time of the bottleneck rank, in micro-batch times: (p−1) for GPipe and 1F1B (Huang et al.
     2019; Narayanan et al. SC'21), (p−1)/v interleaved (Narayanan et al. SC'21 §2.2), and for zero-bubble
@@ -459,6 +477,7 @@ class StageProblem:
     # and the wait it puts on each hop instead (cost_model.pipeline_busy_wait); empty: none
     boundary_relief: list[float] = field(default_factory=list)
     hop_wait: list[float] = field(default_factory=list)
+    step_sync: float = 0.0  # seconds per iteration on every rank: the step's scalar all-reduces (step_sync_time)
 
     @property
     def state_kept(self) -> float:
@@ -493,7 +512,7 @@ class StageProblem:
                 self.rec_saving, tuple(self.boundary), tuple(self.rank), tuple(self.inflight),
                 tuple(self.fixed), self.mem_limit, self.weight, self.unhidden, self.recompute, tuple(self.cuts),
                 tuple(self.ws.act), tuple(self.ws.emb), tuple(self.ws.opt), tuple(self.ws.per_layer),
-                tuple(self.grads_idle), tuple(self.boundary_relief), tuple(self.hop_wait))
+                tuple(self.grads_idle), tuple(self.boundary_relief), tuple(self.hop_wait), self.step_sync)
 
 
 @dataclass
@@ -564,7 +583,7 @@ def evaluate(problem: StageProblem, bounds: list[int], recompute: list[int],
         tau.append(sum(rows[s]["base"] for s in stages) + z3[r])
         sync = sum(rows[s]["dp"] for s in stages)
         exposed = max(sync - sum(rows[s]["g"] for s in stages), P.unhidden * sync)
-        tails.append((exposed, sum(rows[s]["opt"] for s in stages)))
+        tails.append((exposed, sum(rows[s]["opt"] for s in stages) + P.step_sync))
         mem.append(peak_memory(sum(rows[s]["state"] for s in stages), P.fixed[r], P.inflight[r],
                                sum(rows[s]["act"] for s in stages), sum(rows[s]["opt_ws"] for s in stages), P.ws, r,
                                P.grads_idle[r]))
@@ -712,6 +731,7 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
         boundary_relief=[r for _, r, _ in splits], hop_wait=[w for _, _, w in splits],
         ws=step_transients(model, cand, seq_len, dtype, rank),
         grads_idle=grads_idle(state_bytes, cand.m, inflight),
+        step_sync=step_sync_time(profile, dp * tp * pp, links),
     )
 
 
@@ -773,7 +793,7 @@ def lower_bound(problem: StageProblem) -> float:
         work += P.rec_time * math.ceil(min_recomputed_blocks(P) - 1e-9)
     tau = max(work / P.pp, max(P.time))
     sync, bwd = sum(P.dp), sum(P.bwd)
-    tail = (sum(P.opt) + max(sync - bwd, P.unhidden * sync)) / P.pp
+    tail = (sum(P.opt) + max(sync - bwd, P.unhidden * sync)) / P.pp + P.step_sync
     return P.weight * tau + tail
 
 

@@ -38,6 +38,7 @@ from planner.cost_model import (
     root_hook_time,
     state_bytes_per_param,
     state_kept,
+    step_sync_time,
     unfused_share,
     unhidden_share,
     zb_ratio,
@@ -216,7 +217,8 @@ class Search:
             work += rec_time * math.ceil(least - 1e-9)
         bubble = bubble_micro_batches(cand.schedule, pp, cand.v, zb_ratio(fsum, gsum))
         tau = max(work / pp, tmax)
-        tail = (agg["opt"] + max(agg["dp"] - gsum, unhidden * agg["dp"])) / pp
+        tail = (agg["opt"] + max(agg["dp"] - gsum, unhidden * agg["dp"])) / pp + \
+            step_sync_time(self.profile, cand.dp * tp * pp, links)
         return (cand.m + bubble) * tau + tail, ratio
 
     def demand(self, cand: Candidate) -> float:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from planner.cluster_spec import ClusterSpec
 from planner.model_spec import ModelSpec
-from profiler.compute import TimingConfig, grid, measure_sample, median, typical_time
+from profiler.compute import TimingConfig, grid, measure_sample, median, typical, typical_time
 from profiler.layers import build_case
 from profiler.links import LinkTiming, fit_timings, message_sizes, time_ops
 from profiler.memory import measure_activations, measure_state
@@ -269,6 +269,22 @@ def _link_phase(cfg: MeasureConfig, world: int, local_world: int, device: torch.
             for name, (group, ranks) in groups.items()}
 
 
+def scalar_all_reduce_time(device: torch.device, timing: TimingConfig) -> float:
+    """Typical seconds of one all-reduce of a scalar over every rank, the ranks starting together: what
+    the executor's step pays twice, for the global gradient norm and the logged loss. Every rank calls it."""
+    t = torch.zeros(1, dtype=torch.float64, device=device)
+    times = []
+    for i in range(timing.warmup + 4 * timing.repeats):  # ~0.5 ms each on CPU: many, for a steady mean
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(t)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= timing.warmup:
+            times.append(time.perf_counter() - start)
+    return typical(times, device)
+
+
 def in_situ_phases(world: int) -> tuple[bool, bool]:
     """(data-parallel engines, pipeline schedule): whether these ranks can measure them in situ
     (the pipeline runs on pairs of ranks)."""
@@ -325,6 +341,7 @@ def _run_rank(cfg: MeasureConfig, rank: int, world: int, local_rank: int, local_
                 pipeline.append(PipelineSample(b, measure_pipeline_overheads(
                     cfg.model, b, max(cfg.seq_lens), cfg.dtype, device, cfg.timing)))
         timings = _link_phase(cfg, world, local_world, device, reporter) if world > 1 else {}
+        step_sync = scalar_all_reduce_time(device, cfg.timing) if world > 1 else 0.0
     finally:
         if reporter is not None:
             reporter.close()
@@ -334,7 +351,7 @@ def _run_rank(cfg: MeasureConfig, rank: int, world: int, local_rank: int, local_
         reporter.step("activation and model-state memory")
     memory, state = measure_memory(cfg, device)  # rank 0 alone: bytes do not depend on contention
     return {"compute": [asdict(c) for c in compute], "chains": [asdict(c) for c in chains],
-            "optimizer_s_per_param": opt,
+            "optimizer_s_per_param": opt, "step_sync_s": step_sync,
             "memory": [asdict(m) for m in memory], "state": [asdict(x) for x in state],
             "threads_per_rank": torch.get_num_threads() if cfg.device_kind == "cpu" else 0,
             "cpu_cores": cpu_cores() if cfg.device_kind == "cpu" else 0,
@@ -444,7 +461,7 @@ def measure_profile(cfg: MeasureConfig) -> Profile:
         state=[StateSample(**x) for x in result["state"]],
         wrappers=[WrapperSample(**w) for w in result.get("wrappers", [])],
         pipeline_overheads=samples[0].overheads if samples else {}, pipeline_samples=samples,
-        chains=[ChainSample(**c) for c in result.get("chains", [])],
+        chains=[ChainSample(**c) for c in result.get("chains", [])], step_sync_s=result.get("step_sync_s", 0.0),
         threads_per_rank=result["threads_per_rank"], cpu_cores=result.get("cpu_cores", 0),
         settings={"warmup": t.warmup, "repeats": t.repeats, "max_repeats": t.max_repeats, "budget_s": t.budget_s,
                   "ranks": cfg.nprocs,

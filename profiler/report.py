@@ -67,6 +67,9 @@ def print_profile(profile: Profile, console: Console | None = None) -> None:
     console.print(lt)
     if profile.optimizer_s_per_param:
         console.print(f"optimizer (clip + AdamW, fp32 master): {profile.optimizer_s_per_param * 1e9:.2f} ns/parameter")
+    if profile.step_sync_s:
+        console.print(f"all-reduce of a scalar over all ranks (the step's gradient norm and loss): "
+                      f"{profile.step_sync_s * 1e3:.3f} ms")
     if profile.wrappers:
         from planner.cost_model import in_situ_factor
         from profiler.wrappers import ENGINE_ZERO

@@ -187,7 +187,7 @@ def test_in_situ_engine_costs_replace_the_link_fit():
     assert [P.gather[i] for i in blocks] == [0.002] * len(blocks)
     assert P.gather[0] == P.gather[-1] == 0.0 and P.boundary == [0.002]  # embedding, head: the root unit
     ev = evaluate(P, [0, len(P.kinds)], [0])
-    assert ev.tail == pytest.approx(sum(P.opt) + sum(P.dp))  # measured in situ: nothing hidden
+    assert ev.tail == pytest.approx(sum(P.opt) + sum(P.dp) + P.step_sync)  # measured in situ: nothing hidden
 
 
 def test_tp_collectives_not_added_twice_when_measured_across_ranks():
@@ -336,6 +336,35 @@ def test_tensor_parallel_optimizer_step_takes_the_measured_dtensor_ratio():
     assert optimizer_time(profile, 1e6, 2, 0, tp=2) == pytest.approx(6.0 * plain)
     profile.wrappers = [replace(profile.wrappers[0], optimizer_ratio=2.0)]
     assert optimizer_time(profile, 1e6, 2, 0, tp=2) == pytest.approx(4.0 * plain)
+
+
+def test_the_steps_scalar_all_reduces_join_every_ranks_tail():
+    """Two all-reduces of a scalar per step over all ranks (gradient norm, loss): the profile's own timing
+    when it ran as many ranks, else the link fit at 8 bytes; none on one rank. Every rank's optimizer
+    tail carries them, and the lower bounds too."""
+    from dataclasses import replace
+
+    from planner.cost_model import lower_bound, step_sync_time
+
+    model = builtin_model("tiny")
+    profile = preset_profile(model, parse_cluster("4xcpu"))
+    links = Links("intra_node", "intra_node", "intra_node")
+    fit = profile.collective_time("all_reduce", 8.0, 4, "intra_node")
+    assert step_sync_time(profile, 1, links) == 0.0
+    assert step_sync_time(profile, 4, links) == pytest.approx(2 * fit)
+    measured = replace(profile, source="measured", step_sync_s=0.0004, settings={"ranks": 4})
+    assert step_sync_time(measured, 4, links) == pytest.approx(0.0008)
+    assert step_sync_time(replace(measured, step_sync_s=0.0), 4, links) == 0.0  # measured before it was timed
+    assert step_sync_time(measured, 2, links) == pytest.approx(2 * profile.collective_time("all_reduce", 8.0, 2,
+                                                                                            "intra_node"))
+    cand = Candidate(dp=2, tp=1, pp=2, v=1, schedule="1f1b", b=1, m=4, zero=0, recompute="none")
+    P = build_problem(model, measured, cand, 64, measured.dtype, links, math.inf, [True] * len(model.layers))
+    assert P.step_sync == pytest.approx(0.0008)
+    ev = evaluate(P, [0, 3, len(P.kinds)], [0, 0])
+    without = evaluate(replace(P, step_sync=0.0), [0, 3, len(P.kinds)], [0, 0])
+    assert ev.iteration_time == pytest.approx(without.iteration_time + 0.0008)
+    assert all(s.optimizer == pytest.approx(w.optimizer + 0.0008) for s, w in zip(ev.stages, without.stages))
+    assert lower_bound(P) == pytest.approx(lower_bound(replace(P, step_sync=0.0)) + 0.0008)
 
 
 def test_step_transients_by_hand():

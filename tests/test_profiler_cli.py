@@ -77,6 +77,7 @@ def test_profile_two_cpu_ranks_then_cached(tmp_path, capsys):
     assert {f.measured_group_size for f in p.links["inter_node"].values()} == {0}  # one host: presets
     assert {m.recompute for m in p.memory if m.kind == "block"} == {"none", "selective", "full"}
     assert p.state and p.optimizer_s_per_param > 0 and p.threads_per_rank >= 1
+    assert 0 < p.step_sync_s < 1.0 and "scalar over all ranks" in r.stdout  # the executor's step runs two
     # the planner's queries answer sizes that were not measured
     fwd, bwd = p.layer_time("block", 8, 16, 2)
     assert fwd > 0 and bwd > 0
