@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from dataclasses import asdict, dataclass, field
 
 from planner.errors import InputError
@@ -257,49 +256,30 @@ class Profile:
         """Measured time of the cut model run as one module over the sum of its layers' fitted times, at
         TP degree `tp`, interpolated over log2(micro-batch size) between measured sizes (clamped
         outside); 1 without chain samples at that degree. With cuts of two block counts at this degree
-        (tensor parallelism on CPU, profiler/wrappers.py) the shorter cut's time is split between the
-        blocks and the embedding + head (`kind`) by how much the longer cut adds (`_block_weight`)."""
+        (tensor parallelism on CPU, profiler/wrappers.py) a block's factor is its marginal cost in the
+        chain, the cuts' difference, and the embedding's and head's (`kind`) the rest: on 4 CPU ranks
+        sharing 2 cores (tiny, TP 2) the cut with 4 blocks ran 1.9-2.1x the one with 2 blocks, where one
+        factor for every layer predicted 1.6x and the whole model 16 % fast."""
         cuts = sorted({c.blocks for c in self.chains if c.tp == tp})
-        weight = self._block_weight(tp, cuts[0], cuts[-1]) if len(cuts) > 1 else 1.0
         points = []
         for c in self.chains:
-            if c.tp != tp or c.seconds <= 0 or c.blocks != cuts[0]:
+            if c.tp != tp or c.seconds <= 0:
                 continue
-            block, ends = self._cut_parts(c, tp)
-            if weight == math.inf:  # the ends cost nothing in sequence
-                k_ends, k_block = 0.0, c.seconds / (c.blocks * block) if block > 0 else 1.0
-            else:
-                k_ends = c.seconds / (ends + weight * c.blocks * block) if ends + block > 0 else 1.0
-                k_block = weight * k_ends
-            points.append((c.micro_batch_size, k_block if kind == "block" else k_ends))
-        return _interpolate(points, b)
-
-    def _cut_parts(self, c: ChainSample, tp: int) -> tuple[float, float]:
-        """(one block's, embedding + head's) fitted forward + backward seconds at the cut's size."""
-        return tuple(sum(sum(self._fitted_time(k, c.micro_batch_size, c.seq_len, tp)) for k in kinds)
-                     for kinds in (["block"], ["embedding", "head"]))
-
-    def _block_weight(self, tp: int, short: int, long: int) -> float:
-        """How much more a block's fitted time counts in sequence than the ends' (inf: the ends count 0),
-        from the cuts of `short` and `long` blocks: at each size the ratio R of their times solves
-        (e + long·w·β) / (e + short·w·β) = R; the median over sizes. Per size the difference of two noisy
-        cuts is not steady (tiny on 4 CPU ranks, TP 2: 1.59-2.08x between sizes of one profile, 1.72 and
-        1.78 their medians in two profiles), and a block's and the ends' share hardly change with b."""
-        weights = []
-        for c in self.chains:
-            longer = next((d for d in self.chains if d.tp == tp and d.blocks == long and d.seconds > 0
+            if len(cuts) < 2:
+                alone = sum(sum(self._fitted_time(k, c.micro_batch_size, c.seq_len, tp)) for k in _cut_kinds(c))
+                if alone > 0:
+                    points.append((c.micro_batch_size, c.seconds / alone))
+                continue
+            longer = next((d for d in self.chains if d.tp == tp and d.blocks == cuts[-1] and d.seconds > 0
                            and (d.micro_batch_size, d.seq_len) == (c.micro_batch_size, c.seq_len)), None)
-            if c.tp != tp or c.blocks != short or c.seconds <= 0 or longer is None:
+            if c.blocks != cuts[0] or longer is None:
                 continue
-            block, ends = self._cut_parts(c, tp)
-            ratio = longer.seconds / c.seconds
-            if block <= 0:
-                continue
-            if ratio >= long / short or ends <= 0:
-                weights.append(math.inf)
-            else:
-                weights.append(max(0.0, ends * (ratio - 1.0)) / (block * (long - short * ratio)))
-        return statistics.median(weights) if weights else 1.0
+            block, ends = (sum(sum(self._fitted_time(k, c.micro_batch_size, c.seq_len, tp)) for k in kinds)
+                           for kinds in (["block"], ["embedding", "head"]))
+            factors = _two_cut_factors(c.seconds, longer.seconds, c.blocks, longer.blocks, block, ends)
+            if factors is not None:
+                points.append((c.micro_batch_size, factors[0] if kind == "block" else factors[1]))
+        return _interpolate(points, b)
 
     def split_backward_factor(self, b: int) -> float:
         """How much longer a layer's backward takes split into input- and weight-grad passes (zero-bubble
@@ -463,6 +443,23 @@ class Profile:
 
 def _cut_kinds(c: ChainSample) -> list[str]:
     return ["embedding"] + ["block"] * c.blocks + ["head"]
+
+
+def _two_cut_factors(short_s: float, long_s: float, n_short: int, n_long: int, block: float, ends: float
+                     ) -> tuple[float, float] | None:
+    """(block, ends) factors from cuts of `n_short` and `n_long` blocks timed at `short_s` and `long_s`
+    seconds, whose layers alone fit `block` seconds per block and `ends` for embedding + head. The
+    difference of the cuts is the blocks' marginal cost; what the shorter cut leaves is the ends'. Where
+    that rest is negative (noise around ends that cost next to nothing in sequence) the ends count 0 and
+    the blocks take the least-squares factor through both cuts; None without a usable pair."""
+    if block <= 0 or n_long <= n_short:
+        return None
+    k_block = (long_s - short_s) / ((n_long - n_short) * block)
+    rest = short_s - n_short * k_block * block
+    if k_block > 0 and rest >= 0:
+        return k_block, (rest / ends if ends > 0 else 1.0)
+    k_block = (short_s * n_short + long_s * n_long) / ((n_short ** 2 + n_long ** 2) * block)
+    return (k_block, 0.0) if k_block > 0 else None
 
 
 def _interpolate(points: list[tuple[int, float]], b: int) -> float:

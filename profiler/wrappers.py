@@ -236,7 +236,7 @@ def measure_chains(spec: ModelSpec, sizes: list[int], s: int, dtype: str, device
                    earlier: list[list[float]] = ()) -> list[ChainSample]:
     """The cut model run bare as one module, per micro-batch size, and what splitting its backward adds;
     with `tp_mesh` tensor-parallel across it (the split backward is not measured there), and on CPU once more
-    with twice the blocks (Profile.chain_factor: a block's weight apart from the ends'). Every layer's
+    with twice the blocks (Profile.chain_factor: a block's marginal cost apart from the ends'). Every layer's
     time in the plan is scaled by this one measurement, so `earlier` rounds of `chain_pass_times` (taken
     at other moments of the profile) join this one and each size keeps the median: one short round can
     land on a transient of a shared machine (tiny on 4 CPU ranks: one profile's chain measured 12.4 ms

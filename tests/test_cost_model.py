@@ -293,34 +293,29 @@ def test_chain_factor_scales_tp1_layer_times_between_measured_sizes():
 
 
 def test_two_cuts_split_the_chain_factor_into_blocks_and_ends():
-    """TP cuts of 2 and 4 blocks: what the longer cut adds sets how much a block's fitted time weighs
-    against the embedding's and head's (the median over sizes), and each size's shorter cut the scale;
-    a longer cut twice the shorter leaves the ends nothing. One cut keeps one factor for all layers."""
+    """TP cuts of 2 and 4 blocks: a block's factor is the cuts' difference over two blocks' fit, the
+    embedding's and head's what the shorter cut leaves; where that rest is negative the ends count 0 and
+    the blocks take the least-squares factor through both cuts. One cut keeps one factor for all."""
     from profiler.profile import ChainSample, ComputeSample
 
     profile = preset_profile(builtin_model("tiny"), parse_cluster("4xcpu"))
     profile.compute = [ComputeSample(k, b, 64, 2, 0.001 * b, 0.002 * b, with_collectives=True)
-                       for k in ("embedding", "block", "head") for b in (1, 2, 4)]
-    fit = {b: 0.003 * b for b in (1, 2, 4)}  # each layer's forward + backward alone
-
-    def cut(b: int, blocks: int, k_ends: float, k_block: float) -> ChainSample:
-        return ChainSample(b, 64, blocks, 2 * k_ends * fit[b] + blocks * k_block * fit[b], tp=2)
-
+                       for k in ("embedding", "block", "head") for b in (1, 2)]
+    fit = 0.003  # each layer's forward + backward alone at b=1
     profile.chains = [ChainSample(1, 64, 2, 0.020, tp=2)]
-    assert profile.chain_factor(1, 2, "head") == profile.chain_factor(1, 2) == pytest.approx(0.020 / (4 * fit[1]))
-    # in sequence the ends cost 1.5x their fit and a block 3x at b=1 and 4; b=2's longer cut is off
-    profile.chains = [cut(1, 2, 1.5, 3.0), cut(1, 4, 1.5, 3.0), cut(4, 2, 1.0, 2.0), cut(4, 4, 1.0, 2.0),
-                      cut(2, 2, 1.5, 3.0), ChainSample(2, 64, 4, 2 * cut(2, 2, 1.5, 3.0).seconds, tp=2)]
-    assert profile.chain_factor(1, 2) == pytest.approx(3.0)
-    assert profile.chain_factor(1, 2, "head") == pytest.approx(1.5)
-    assert profile.chain_factor(4, 2) == pytest.approx(2.0)
-    assert profile.chain_factor(4, 2, "embedding") == pytest.approx(1.0)
-    assert profile.chain_factor(2, 2) == pytest.approx(3.0)  # the median weight, this size's own short cut
-    assert profile.layer_time("block", 1, 64, 2) == pytest.approx((3 * 0.001, 3 * 0.002))
-    # every longer cut twice the shorter: the ends count nothing, the blocks the whole shorter cut
-    profile.chains = [ChainSample(1, 64, 2, 0.010, tp=2), ChainSample(1, 64, 4, 0.020, tp=2)]
+    assert profile.chain_factor(1, 2, "head") == profile.chain_factor(1, 2) == pytest.approx(0.020 / (4 * fit))
+    # the ends cost 1.5x their fit in sequence, a block 2x
+    profile.chains = [ChainSample(1, 64, 2, 2 * 1.5 * fit + 2 * 2 * fit, tp=2),
+                      ChainSample(1, 64, 4, 2 * 1.5 * fit + 4 * 2 * fit, tp=2)]
+    assert profile.chain_factor(1, 2) == pytest.approx(2.0)
+    assert profile.chain_factor(1, 2, "embedding") == profile.chain_factor(1, 2, "head") == pytest.approx(1.5)
+    fwd, bwd = profile.layer_time("block", 1, 64, 2)
+    assert (fwd, bwd) == pytest.approx((2 * 0.001, 2 * 0.002))
+    assert profile.chain_factor(2, 2) == pytest.approx(2.0)  # clamped outside the measured sizes
+    # the longer cut more than twice the shorter: no time left for the ends
+    profile.chains = [ChainSample(1, 64, 2, 0.010, tp=2), ChainSample(1, 64, 4, 0.030, tp=2)]
     assert profile.chain_factor(1, 2, "head") == 0.0
-    assert profile.chain_factor(1, 2) == pytest.approx(0.010 / (2 * fit[1]))
+    assert profile.chain_factor(1, 2) == pytest.approx((0.010 * 2 + 0.030 * 4) / (20 * fit))
     assert profile.chain_factor(1, 1) == 1.0  # no chain at TP 1
 
 
