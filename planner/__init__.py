@@ -1,3 +1,3 @@
 """meshplan planner: specs, cost model, search and the `plan` command line."""
 
-__version__ = "0.2.5"
+__version__ = "0.2.6"

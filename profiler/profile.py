@@ -241,9 +241,9 @@ class Profile:
 
     def layer_time(self, kind: str, b: int, s: int, tp: int) -> tuple[float, float]:
         """(forward, backward) seconds of one layer for one micro-batch on one TP rank: the fit of the
-        samples, times the measured `chain_factor` of this kind at this TP degree (1 where no chain ran at it)."""
+        samples, times the measured `chain_factor` at this TP degree (1 where no chain ran at it)."""
         fwd, bwd = self._fitted_time(kind, b, s, tp)
-        k = self.chain_factor(b, tp, kind)
+        k = self.chain_factor(b, tp)
         return fwd * k, bwd * k
 
     def _fitted_time(self, kind: str, b: int, s: int, tp: int) -> tuple[float, float]:
@@ -252,33 +252,17 @@ class Profile:
         bwd = self._fit(kind, tp, "backward_s")
         return fwd[0] + fwd[1] * work, bwd[0] + bwd[1] * work
 
-    def chain_factor(self, b: int, tp: int = 1, kind: str = "block") -> float:
+    def chain_factor(self, b: int, tp: int = 1) -> float:
         """Measured time of the cut model run as one module over the sum of its layers' fitted times, at
         TP degree `tp`, interpolated over log2(micro-batch size) between measured sizes (clamped
-        outside); 1 without chain samples at that degree. With cuts of two block counts at this degree
-        (tensor parallelism on CPU, profiler/wrappers.py) a block's factor is its marginal cost in the
-        chain, the cuts' difference, and the embedding's and head's (`kind`) the rest: on 4 CPU ranks
-        sharing 2 cores (tiny, TP 2) the cut with 4 blocks ran 1.9-2.1x the one with 2 blocks, where one
-        factor for every layer predicted 1.6x and the whole model 16 % fast."""
-        cuts = sorted({c.blocks for c in self.chains if c.tp == tp})
+        outside); 1 without chain samples at that degree."""
         points = []
         for c in self.chains:
-            if c.tp != tp or c.seconds <= 0:
+            if c.tp != tp:
                 continue
-            if len(cuts) < 2:
-                alone = sum(sum(self._fitted_time(k, c.micro_batch_size, c.seq_len, tp)) for k in _cut_kinds(c))
-                if alone > 0:
-                    points.append((c.micro_batch_size, c.seconds / alone))
-                continue
-            longer = next((d for d in self.chains if d.tp == tp and d.blocks == cuts[-1] and d.seconds > 0
-                           and (d.micro_batch_size, d.seq_len) == (c.micro_batch_size, c.seq_len)), None)
-            if c.blocks != cuts[0] or longer is None:
-                continue
-            block, ends = (sum(sum(self._fitted_time(k, c.micro_batch_size, c.seq_len, tp)) for k in kinds)
-                           for kinds in (["block"], ["embedding", "head"]))
-            factors = _two_cut_factors(c.seconds, longer.seconds, c.blocks, longer.blocks, block, ends)
-            if factors is not None:
-                points.append((c.micro_batch_size, factors[0] if kind == "block" else factors[1]))
+            alone = sum(sum(self._fitted_time(k, c.micro_batch_size, c.seq_len, tp)) for k in _cut_kinds(c))
+            if alone > 0 and c.seconds > 0:
+                points.append((c.micro_batch_size, c.seconds / alone))
         return _interpolate(points, b)
 
     def split_backward_factor(self, b: int) -> float:
@@ -443,23 +427,6 @@ class Profile:
 
 def _cut_kinds(c: ChainSample) -> list[str]:
     return ["embedding"] + ["block"] * c.blocks + ["head"]
-
-
-def _two_cut_factors(short_s: float, long_s: float, n_short: int, n_long: int, block: float, ends: float
-                     ) -> tuple[float, float] | None:
-    """(block, ends) factors from cuts of `n_short` and `n_long` blocks timed at `short_s` and `long_s`
-    seconds, whose layers alone fit `block` seconds per block and `ends` for embedding + head. The
-    difference of the cuts is the blocks' marginal cost; what the shorter cut leaves is the ends'. Where
-    that rest is negative (noise around ends that cost next to nothing in sequence) the ends count 0 and
-    the blocks take the least-squares factor through both cuts; None without a usable pair."""
-    if block <= 0 or n_long <= n_short:
-        return None
-    k_block = (long_s - short_s) / ((n_long - n_short) * block)
-    rest = short_s - n_short * k_block * block
-    if k_block > 0 and rest >= 0:
-        return k_block, (rest / ends if ends > 0 else 1.0)
-    k_block = (short_s * n_short + long_s * n_long) / ((n_short ** 2 + n_long ** 2) * block)
-    return (k_block, 0.0) if k_block > 0 else None
 
 
 def _interpolate(points: list[tuple[int, float]], b: int) -> float:

@@ -92,12 +92,8 @@ def print_profile(profile: Profile, console: Console | None = None) -> None:
                       f"(torch.distributed.pipelining, P2P included): {per}")
     if profile.chains:
         for tp in sorted({c.tp for c in profile.chains}):
-            sizes = sorted({c.micro_batch_size for c in profile.chains if c.tp == tp})
-            if len({c.blocks for c in profile.chains if c.tp == tp}) > 1:  # blocks apart from the ends
-                factors = ", ".join(f"b={b}: blocks x{profile.chain_factor(b, tp):.2f}, "
-                                    f"ends x{profile.chain_factor(b, tp, 'head'):.2f}" for b in sizes)
-            else:
-                factors = ", ".join(f"b={b}: x{profile.chain_factor(b, tp):.2f}" for b in sizes)
+            factors = ", ".join(f"b={c.micro_batch_size}: x{profile.chain_factor(c.micro_batch_size, tp):.2f}"
+                                for c in sorted(profile.chains, key=lambda c: c.micro_batch_size) if c.tp == tp)
             console.print(f"layers run as one model vs alone (applied to the t={tp} fit): {factors}")
         if any(c.split_extra_s for c in profile.chains):
             split = ", ".join(f"b={c.micro_batch_size}: x{profile.split_backward_factor(c.micro_batch_size):.2f}"

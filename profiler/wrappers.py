@@ -235,8 +235,7 @@ def measure_chains(spec: ModelSpec, sizes: list[int], s: int, dtype: str, device
                    blocks: int = 2, tp_mesh=None, lockstep: bool = False,
                    earlier: list[list[float]] = ()) -> list[ChainSample]:
     """The cut model run bare as one module, per micro-batch size, and what splitting its backward adds;
-    with `tp_mesh` tensor-parallel across it (the split backward is not measured there), and on CPU once more
-    with twice the blocks (Profile.chain_factor: a block's marginal cost apart from the ends'). Every layer's
+    with `tp_mesh` tensor-parallel across it (the split backward is not measured there). Every layer's
     time in the plan is scaled by this one measurement, so `earlier` rounds of `chain_pass_times` (taken
     at other moments of the profile) join this one and each size keeps the median: one short round can
     land on a transient of a shared machine (tiny on 4 CPU ranks: one profile's chain measured 12.4 ms
@@ -247,11 +246,5 @@ def measure_chains(spec: ModelSpec, sizes: list[int], s: int, dtype: str, device
     seconds = [median([r[i] for r in rounds]) for i in range(len(sizes))]
     if tp_mesh is not None:
         ratio = _tp_optimizer_ratio(model, device, cfg)  # after the passes: the gradients' real placements
-        tp = tp_mesh.size()
-        chains = [ChainSample(b, s, blocks, t, tp=tp, optimizer_ratio=ratio) for b, t in zip(sizes, seconds)]
-        longer = min(2 * blocks, spec.num_layers)
-        if longer > blocks and device.type == "cpu":
-            chains += [ChainSample(b, s, longer, t, tp=tp) for b, t in
-                       zip(sizes, chain_pass_times(spec, sizes, s, dtype, device, cfg, longer, tp_mesh))]
-        return chains
+        return [ChainSample(b, s, blocks, t, tp=tp_mesh.size(), optimizer_ratio=ratio) for b, t in zip(sizes, seconds)]
     return [ChainSample(b, s, blocks, t, _split_extra(model, b, s, spec, device, cfg)) for b, t in zip(sizes, seconds)]

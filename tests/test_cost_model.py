@@ -292,33 +292,6 @@ def test_chain_factor_scales_tp1_layer_times_between_measured_sizes():
     assert profile.layer_time("block", 2, 64, 2) == pytest.approx((0.002, 0.004))  # TP: timed as is
 
 
-def test_two_cuts_split_the_chain_factor_into_blocks_and_ends():
-    """TP cuts of 2 and 4 blocks: a block's factor is the cuts' difference over two blocks' fit, the
-    embedding's and head's what the shorter cut leaves; where that rest is negative the ends count 0 and
-    the blocks take the least-squares factor through both cuts. One cut keeps one factor for all."""
-    from profiler.profile import ChainSample, ComputeSample
-
-    profile = preset_profile(builtin_model("tiny"), parse_cluster("4xcpu"))
-    profile.compute = [ComputeSample(k, b, 64, 2, 0.001 * b, 0.002 * b, with_collectives=True)
-                       for k in ("embedding", "block", "head") for b in (1, 2)]
-    fit = 0.003  # each layer's forward + backward alone at b=1
-    profile.chains = [ChainSample(1, 64, 2, 0.020, tp=2)]
-    assert profile.chain_factor(1, 2, "head") == profile.chain_factor(1, 2) == pytest.approx(0.020 / (4 * fit))
-    # the ends cost 1.5x their fit in sequence, a block 2x
-    profile.chains = [ChainSample(1, 64, 2, 2 * 1.5 * fit + 2 * 2 * fit, tp=2),
-                      ChainSample(1, 64, 4, 2 * 1.5 * fit + 4 * 2 * fit, tp=2)]
-    assert profile.chain_factor(1, 2) == pytest.approx(2.0)
-    assert profile.chain_factor(1, 2, "embedding") == profile.chain_factor(1, 2, "head") == pytest.approx(1.5)
-    fwd, bwd = profile.layer_time("block", 1, 64, 2)
-    assert (fwd, bwd) == pytest.approx((2 * 0.001, 2 * 0.002))
-    assert profile.chain_factor(2, 2) == pytest.approx(2.0)  # clamped outside the measured sizes
-    # the longer cut more than twice the shorter: no time left for the ends
-    profile.chains = [ChainSample(1, 64, 2, 0.010, tp=2), ChainSample(1, 64, 4, 0.030, tp=2)]
-    assert profile.chain_factor(1, 2, "head") == 0.0
-    assert profile.chain_factor(1, 2) == pytest.approx((0.010 * 2 + 0.030 * 4) / (20 * fit))
-    assert profile.chain_factor(1, 1) == 1.0  # no chain at TP 1
-
-
 def test_tensor_parallel_optimizer_step_takes_the_measured_dtensor_ratio():
     """The TP chain's measured AdamW ratio (DTensor over plain tensors) scales the TP plans' optimizer
     term; data parallelism's in-situ ratio, when larger, wins; unmeasured degrees step at the plain rate."""

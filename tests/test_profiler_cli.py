@@ -65,10 +65,8 @@ def test_profile_two_cpu_ranks_then_cached(tmp_path, capsys):
     assert [s.micro_batch_size for s in p.pipeline_samples] == [1, 2]  # the smallest and largest b
     assert p.pipeline_samples[0].overheads == p.pipeline_overheads and "in situ at b=2" in r.stdout
     assert all(v >= 0 for v in p.pipeline_overheads.values()) and "pipeline schedules in situ" in r.stderr
-    # the cut model as one module, bare and tensor-parallel across both ranks (there also with 4 blocks)
-    assert sorted((c.tp, c.blocks, c.micro_batch_size) for c in p.chains) == [
-        (1, 2, 1), (1, 2, 2), (2, 2, 1), (2, 2, 2), (2, 4, 1), (2, 4, 2)]
-    assert p.chain_factor(1, 2, "head") >= 0 and "blocks x" in r.stdout
+    # the cut model as one module, bare and tensor-parallel across both ranks
+    assert sorted((c.tp, c.micro_batch_size) for c in p.chains) == [(1, 1), (1, 2), (2, 1), (2, 2)]
     assert p.chain_factor(1) > 0 and p.chain_factor(1, 2) > 0 and "applied to the t=2 fit" in r.stdout
     assert p.tp_optimizer_ratio(2) > 0 and p.tp_optimizer_ratio(1) is None  # AdamW over the TP DTensors
     assert all((c.split_extra_s > 0) == (c.tp == 1) for c in p.chains) and p.split_backward_factor(1) > 1
