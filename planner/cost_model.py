@@ -263,16 +263,14 @@ def optimizer_time(profile, params: float, dp: int, zero: int, tp: int = 1) -> f
 
 def step_sync_time(profile, world: int, links: "Links") -> float:
     """The executor's two all-reduces of a scalar over every rank each step (the global gradient norm for
-    the clip, the logged loss): as the profiler timed one when it ran this many ranks, else the link fit
-    at 8 bytes (presets: the documented latency); 0 on one rank, and for a measured profile of this many
-    ranks from before the figure was timed: on CPU the fit's intercept, from 4 KiB up, is far above a
-    scalar's (4 gloo ranks on 2 cores: 5.5 ms at 4 KiB, 0.4 ms for a scalar)."""
+    the clip, the logged loss); 0 on one rank. A profile measured on this many ranks gives its own timing
+    of one (0 when measured before it was timed); presets and other rank counts the link fit at 8 bytes.
+    The fit's intercept is not used for measured ranks: fitted from 4 KiB up, on CPU it is far above a
+    scalar's cost (4 gloo ranks on 2 cores: 5.5 ms at 4 KiB, 0.4 ms for a scalar)."""
     if world <= 1:
         return 0.0
-    measured = getattr(profile, "step_sync_s", 0.0)
-    own_ranks = profile.source == "measured" and world == int(profile.settings.get("ranks", 0))
-    if own_ranks:
-        one = measured
+    if profile.source == "measured" and world == int(profile.settings.get("ranks", 0)):
+        one = profile.step_sync_s
     else:
         link = "inter_node" if "inter_node" in (links.tp, links.pp, links.dp) else "intra_node"
         one = profile.collective_time("all_reduce", 8.0, world, link)
