@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from planner.cluster_spec import ClusterSpec
 from planner.model_spec import ModelSpec
-from profiler.compute import TimingConfig, grid, measure_sample, median, typical, typical_time
+from profiler.compute import Stopwatch, TimingConfig, grid, measure_sample, median, typical, typical_time
 from profiler.layers import build_case
 from profiler.links import LinkTiming, fit_timings, message_sizes, time_ops
 from profiler.memory import measure_activations, measure_state
@@ -273,15 +273,13 @@ def scalar_all_reduce_time(device: torch.device, timing: TimingConfig) -> float:
     """Typical seconds of one all-reduce of a scalar over every rank, the ranks starting together: what
     the executor's step pays twice, for the global gradient norm and the logged loss. Every rank calls it."""
     t = torch.zeros(1, dtype=torch.float64, device=device)
+    watch = Stopwatch(device)
     times = []
     for i in range(timing.warmup + 4 * timing.repeats):  # ~0.5 ms each on CPU: many, for a steady mean
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(t)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        dist.barrier()  # outside the timing, as profiler.links.time_ops times each op
+        _, seconds = watch.time(lambda: dist.all_reduce(t))
         if i >= timing.warmup:
-            times.append(time.perf_counter() - start)
+            times.append(seconds)
     return typical(times, device)
 
 

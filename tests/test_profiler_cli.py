@@ -247,6 +247,7 @@ def test_cached_profile_used_only_when_it_covers_the_request():
     ("compute", [{"kind": "block", "micro_batch_size": 1, "seq_len": 8, "tp": 1, "forward_s": 0.001,
                   "backward_s": 0.002, "backward_full_s": 0.003, "forward_full_s": -0.001}],
      "profile.compute[0].forward_full_s"),
+    ("step_sync_s", -0.001, "profile.step_sync_s"),
 ])
 def test_bad_in_situ_fields_are_one_line_errors(tmp_path, capsys, measured_1cpu, field, value, message):
     path = tmp_path / "p.json"
