@@ -15,15 +15,14 @@ import time
 
 import torch
 import torch.distributed as dist
+from meshplan.executor.data import SyntheticData
+from meshplan.executor.model import Transformer, init_weights, loss_fn
+from meshplan.executor.train import TrainConfig, Trainer, lr_multiplier, make_optimizer
+from meshplan.planner.cluster_spec import parse_cluster
+from meshplan.planner.model_sources import builtin_model
+from meshplan.planner.plan import ParallelConfig, Plan, Predicted, StagePlan
 from rich.console import Console
 from rich.table import Table
-
-from executor.data import SyntheticData
-from executor.model import Transformer, init_weights, loss_fn
-from executor.train import TrainConfig, Trainer, lr_multiplier, make_optimizer
-from planner.cluster_spec import parse_cluster
-from planner.model_sources import builtin_model
-from planner.plan import ParallelConfig, Plan, Predicted, StagePlan
 
 SHAPES = {"tiny": (8, 64), "gpt-20m": (4, 128)}  # (global batch, seq_len)
 

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 4 benchmarks/pipeline_trace.py PLAN.json --steps 12 --trace /tmp/tr
     python benchmarks/pipeline_trace.py --report /tmp/tr
 
-The first runs `python -m executor PLAN.json ...` (every executor flag passes through) with each
+The first runs `python -m meshplan.executor PLAN.json ...` (every executor flag passes through) with each
 stage's forward, backward and weight-gradient action and each wait on point-to-point transfers timed in
 wall and process CPU time (torch.distributed.pipelining's own methods, wrapped); each rank writes
 TRACE.RANK.json. The second prints, per rank, the median action times over the second half of the steps
@@ -43,7 +43,7 @@ def _install(events: list[Event]) -> None:
 
     for name, kind in KINDS.items():
         setattr(stage._PipelineStageBase, name, timed(getattr(stage._PipelineStageBase, name), kind))
-    from executor.train import Trainer  # the whole training step (schedule, clip, AdamW, loss reduction)
+    from meshplan.executor.train import Trainer  # the whole training step (schedule, clip, AdamW, loss reduction)
 
     Trainer.train_step = timed(Trainer.train_step, "step")
     if hasattr(schedules, "_wait_batch_p2p"):  # private in torch 2.8-2.13; without it no waits are timed
@@ -55,7 +55,7 @@ def trace(argv: list[str]) -> int:
     out, rest = argv[at + 1], argv[:at] + argv[at + 2:]
     events: list[Event] = []
     _install(events)
-    from executor.cli import main, parse_args
+    from meshplan.executor.cli import main, parse_args
 
     steps = parse_args(rest).steps  # a fresh run (no --resume) runs this many steps
     code = main(rest)

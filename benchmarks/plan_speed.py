@@ -14,15 +14,14 @@ import argparse
 import time
 from dataclasses import replace
 
+from meshplan.planner.cluster_spec import parse_cluster
+from meshplan.planner.constraints import Constraints
+from meshplan.planner.model_sources import builtin_model
+from meshplan.planner.model_spec import ModelSpec
+from meshplan.planner.search import find_plan
+from meshplan.profiler.presets import preset_profile
 from rich.console import Console
 from rich.table import Table
-
-from planner.cluster_spec import parse_cluster
-from planner.constraints import Constraints
-from planner.model_sources import builtin_model
-from planner.model_spec import ModelSpec
-from planner.search import find_plan
-from profiler.presets import preset_profile
 
 
 def model_1t() -> ModelSpec:

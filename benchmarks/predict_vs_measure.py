@@ -12,7 +12,7 @@ nothing else runs, and once right after profiling): how fast the machine does th
 The summary reports how far identical runs of one plan differed and how well those differences follow the
 probe, which tells the model's error apart from the machine's drift (a shared cloud machine's speed on
 small operators moved x1.25-x2.7 within one minute here, one process on an otherwise idle machine).
-Uses only the public command line (plan, plan profile, torchrun -m executor), as a user would.
+Uses only the public command line (plan, plan profile, torchrun -m meshplan.executor), as a user would.
 """
 
 from __future__ import annotations
@@ -126,11 +126,11 @@ def spearman(a: list[float], b: list[float]) -> float:
 def measure(plan_path: str, nproc: int, steps: int, workdir: str, tag: str) -> tuple[list[float], float]:
     """One run of the plan: the step times its executor's median is taken over (after the warm-up, without
     the step the CPU memory probe instrumented), and its measured peak memory."""
-    from executor.metrics import timed_step_times
+    from meshplan.executor.metrics import timed_step_times
 
     metrics = os.path.join(workdir, f"{tag}.jsonl")
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         "-m", "executor", plan_path, "--steps", str(steps), "--metrics", metrics])
+         "-m", "meshplan.executor", plan_path, "--steps", str(steps), "--metrics", metrics])
     with open(metrics) as fh:
         lines = [json.loads(line) for line in fh if line.strip()]
     summary = next(x for x in lines if x.get("summary"))
@@ -181,11 +181,10 @@ def machine_probe(model: dict, seq_len: int, dtype: str, seconds: float = 2.0) -
     `seconds`; None when the profiler cannot build the model's layers (a factory model). Run between
     runs, never beside one."""
     import torch
-
-    from planner.errors import InputError
-    from planner.model_spec import ModelSpec
-    from profiler.compute import TimingConfig, median, time_passes
-    from profiler.layers import check_buildable
+    from meshplan.planner.errors import InputError
+    from meshplan.planner.model_spec import ModelSpec
+    from meshplan.profiler.compute import TimingConfig, median, time_passes
+    from meshplan.profiler.layers import check_buildable
 
     spec = ModelSpec.from_dict(model)
     try:
@@ -267,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     workdir = args.workdir or tempfile.mkdtemp(prefix="meshplan-pvm-")
     os.makedirs(workdir, exist_ok=True)
-    plan_cmd = [sys.executable, "-m", "planner"]
+    plan_cmd = [sys.executable, "-m", "meshplan.planner"]
     profile = args.profile or os.path.join(workdir, "profile.json")
     if not args.profile:
         # every micro-batch size the sweep can plan (powers of two up to the global batch), so the
@@ -338,9 +337,9 @@ def calibrate_held_out(console: Console, plan_cmd: list[str], workdir: str, prof
     """Fit `plan calibrate` on the even-numbered plans' runs (every round's); report the odd-numbered
     (held-out) plans' errors before and after, and the rank correlation over all plans with the
     calibrated profile."""
-    from planner.calibrate import predict
-    from planner.plan import load_plan
-    from profiler.profile import load_profile
+    from meshplan.planner.calibrate import predict
+    from meshplan.planner.plan import load_plan
+    from meshplan.profiler.profile import load_profile
 
     train = list(range(0, len(rows), 2))
     calibrated = os.path.join(workdir, "profile-calibrated.json")

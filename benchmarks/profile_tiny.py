@@ -24,7 +24,7 @@ def main() -> int:
     p.add_argument("--max-message-size", default="256MiB")
     p.add_argument("-o", "--output", help="also write the profile JSON here")
     args = p.parse_args()
-    from profiler.cli import main as profile_main
+    from meshplan.profiler.cli import main as profile_main
 
     argv = ["tiny", "--cluster", f"{args.ranks}xcpu", "--dtype", args.dtype, "--force",
             "--max-message-size", args.max_message_size] + (["-o", args.output] if args.output else [])

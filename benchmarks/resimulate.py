@@ -26,13 +26,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from meshplan.executor.metrics import timed_step_times  # noqa: E402
+from meshplan.planner.calibrate import predict  # noqa: E402
+from meshplan.planner.errors import InputError  # noqa: E402
+from meshplan.planner.plan import load_plan  # noqa: E402
+from meshplan.profiler.profile import load_profile  # noqa: E402
 from predict_vs_measure import label, spearman  # noqa: E402
-
-from executor.metrics import timed_step_times  # noqa: E402
-from planner.calibrate import predict  # noqa: E402
-from planner.errors import InputError  # noqa: E402
-from planner.plan import load_plan  # noqa: E402
-from profiler.profile import load_profile  # noqa: E402
 
 
 def measured_s(plan_path: str) -> float | None:

@@ -13,4 +13,4 @@ plan show "$OUT/plan.json" --timeline "$OUT/timeline.png"
 plan export "$OUT/plan.json" --format megatron
 # On the cluster, each node then runs:
 #   torchrun --nnodes 8 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0:29500 \
-#     -m executor plan.json --steps 1000 --checkpoint-dir /shared/ckpt --resume
+#     -m meshplan.executor plan.json --steps 1000 --checkpoint-dir /shared/ckpt --resume

@@ -12,6 +12,6 @@ plan tiny --cluster 4xcpu --pp 2 --dp 2 --zero 3 --seq-len 32 --global-batch-siz
 
 # 20 steps, a checkpoint every 5; rank 1 is killed at step 12 (fault injection for the demo) and
 # torchrun restarts the job, which resumes from the step-10 checkpoint with the same losses.
-MESHPLAN_FAIL_AT_STEP=12:1 torchrun --nproc-per-node 4 --max-restarts 1 -m executor "$OUT/plan.json" \
+MESHPLAN_FAIL_AT_STEP=12:1 torchrun --nproc-per-node 4 --max-restarts 1 -m meshplan.executor "$OUT/plan.json" \
   --steps 20 --metrics "$OUT/metrics.jsonl" --checkpoint-dir "$OUT/ckpt" --checkpoint-interval 5 --resume
 tail -n 2 "$OUT/metrics.jsonl"

@@ -1,1 +1,1 @@
-"""meshplan executor: runs a plan JSON with torch.distributed (`torchrun ... -m executor PLAN.json`)."""
+"""meshplan executor: runs a plan JSON with torch.distributed (`torchrun ... -m meshplan.executor PLAN.json`)."""

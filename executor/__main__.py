@@ -1,9 +1,9 @@
-"""meshplan executor: runs a plan JSON with torch.distributed (`torchrun ... -m executor PLAN.json`)."""
+"""meshplan executor: runs a plan JSON with torch.distributed (`torchrun ... -m meshplan.executor PLAN.json`)."""
 import os
 import sys
 
-from executor.cli import main
-from executor.metrics import PROFILER_USED
+from meshplan.executor.cli import main
+from meshplan.executor.metrics import PROFILER_USED
 
 code = main()
 if PROFILER_USED[0]:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from planner.errors import InputError
-from planner.plan import Plan
+from meshplan.planner.errors import InputError
+from meshplan.planner.plan import Plan
 
 
 def check_supported(plan: Plan) -> None:

@@ -1,4 +1,4 @@
-"""`torchrun ... -m executor PLAN.json` (DESIGN §2).
+"""`torchrun ... -m meshplan.executor PLAN.json` (DESIGN §2).
 
 Everything that can be checked without the process group (arguments, the plan file, the world size,
 the backend, combinations the engines cannot run) is checked first, on every rank, and reported as one
@@ -15,18 +15,17 @@ import sys
 
 import torch
 import torch.distributed as dist
-
-from executor.checks import check_supported
-from executor.data import DATA_DTYPES
-from executor.pipeline import local_stages
-from executor.train import TrainConfig, Trainer
-from planner.cli import _Parser
-from planner.errors import InputError, MeshplanError
-from planner.plan import Plan, load_plan
+from meshplan.executor.checks import check_supported
+from meshplan.executor.data import DATA_DTYPES
+from meshplan.executor.pipeline import local_stages
+from meshplan.executor.train import TrainConfig, Trainer
+from meshplan.planner.cli import _Parser
+from meshplan.planner.errors import InputError, MeshplanError
+from meshplan.planner.plan import Plan, load_plan
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = _Parser(prog="python -m executor", description="Train a plan's model exactly as planned "
+    ap = _Parser(prog="python -m meshplan.executor", description="Train a plan's model exactly as planned "
                  "(launch with torchrun --nproc-per-node N [--nnodes M ...]).")
     ap.add_argument("plan", metavar="PLAN.json")
     ap.add_argument("--steps", type=int, default=10, help="train until this many steps are done (default 10)")
@@ -78,7 +77,7 @@ def pick_device(plan: Plan, local_rank: int) -> tuple[torch.device, str]:
 
 
 def _single_process_env() -> None:
-    """`python -m executor PLAN.json` without torchrun: a world of one."""
+    """`python -m meshplan.executor PLAN.json` without torchrun: a world of one."""
     if "WORLD_SIZE" in os.environ:
         return
     with socket.socket() as s:

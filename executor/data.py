@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from planner.errors import InputError
+from meshplan.planner.errors import InputError
 
 DATA_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 

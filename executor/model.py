@@ -15,9 +15,8 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from meshplan.planner.model_spec import ModelSpec
 from torch.utils.checkpoint import checkpoint
-
-from planner.model_spec import ModelSpec
 
 
 def _norm(spec: ModelSpec) -> nn.Module:

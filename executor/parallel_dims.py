@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from meshplan.planner.plan import MESH_DIMS, Plan
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-from planner.plan import MESH_DIMS, Plan
 
 
 @dataclass

@@ -13,6 +13,9 @@ from functools import partial
 
 import torch
 import torch.nn as nn
+from meshplan.executor.model import Transformer, init_value, loss_fn
+from meshplan.planner.model_spec import splits_vocab
+from meshplan.planner.plan import ParallelConfig
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -26,10 +29,6 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
-
-from executor.model import Transformer, init_value, loss_fn
-from planner.model_spec import splits_vocab
-from planner.plan import ParallelConfig
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WRAPPED = "_checkpoint_wrapped_module."

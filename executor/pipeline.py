@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from meshplan.executor.model import Transformer
+from meshplan.executor.parallel_dims import ParallelDims
+from meshplan.planner.plan import Plan, StagePlan
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
@@ -19,10 +22,6 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
     _PipelineSchedule,
 )
-
-from executor.model import Transformer
-from executor.parallel_dims import ParallelDims
-from planner.plan import Plan, StagePlan
 
 
 def local_stages(plan: Plan, pp_rank: int) -> list[StagePlan]:

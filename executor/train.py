@@ -20,19 +20,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from meshplan.executor import checkpoint
+from meshplan.executor.checks import check_supported
+from meshplan.executor.data import Shard as DataShard
+from meshplan.executor.data import SyntheticData, TokenFile
+from meshplan.executor.metrics import Metrics, log, peak_memory_bytes, tensor_bytes, track_cpu_allocations
+from meshplan.executor.model import Transformer
+from meshplan.executor.parallel_dims import ParallelDims, build_parallel_dims
+from meshplan.executor.parallelize import TORCH_DTYPES, apply_ac, apply_dp, apply_tp, materialise, tp_loss
+from meshplan.executor.pipeline import apply_pp, local_stages
+from meshplan.planner.plan import Plan
+from meshplan.planner.report import human_bytes
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-
-from executor import checkpoint
-from executor.checks import check_supported
-from executor.data import Shard as DataShard
-from executor.data import SyntheticData, TokenFile
-from executor.metrics import Metrics, log, peak_memory_bytes, tensor_bytes, track_cpu_allocations
-from executor.model import Transformer
-from executor.parallel_dims import ParallelDims, build_parallel_dims
-from executor.parallelize import TORCH_DTYPES, apply_ac, apply_dp, apply_tp, materialise, tp_loss
-from executor.pipeline import apply_pp, local_stages
-from planner.plan import Plan
-from planner.report import human_bytes
 
 # The LM head's logits are a view (F.linear on 3-D input); nothing modifies them in place.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")

@@ -1,6 +1,6 @@
 """`plan calibrate METRICS.jsonl... --profile P.json`: fold measured step times back into a profile.
 
-Each metrics file (from `torchrun -m executor PLAN.json --metrics FILE`) ends with a summary line holding
+Each metrics file (from `torchrun -m meshplan.executor PLAN.json --metrics FILE`) ends with a summary line holding
 the measured median iteration time and the plan it ran. The cost model predicts each of those plans again
 — the same stage cut and recompute counts — as a function of per-term correction factors (compute, tp_comm,
 pp_comm, dp_comm, optimizer: the factors profile.correction() applies), and the factors are fitted by
@@ -18,13 +18,12 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
-
-from planner.cli import _Parser
-from planner.constraints import Constraints
-from planner.cost_model import Candidate, evaluate
-from planner.errors import InputError
-from planner.plan import Plan, load_plan
-from profiler.profile import CORRECTION_TERMS, Profile, load_profile, save_profile
+from meshplan.planner.cli import _Parser
+from meshplan.planner.constraints import Constraints
+from meshplan.planner.cost_model import Candidate, evaluate
+from meshplan.planner.errors import InputError
+from meshplan.planner.plan import Plan, load_plan
+from meshplan.profiler.profile import CORRECTION_TERMS, Profile, load_profile, save_profile
 
 RIDGE = 0.05  # weight of log(factor)^2: keeps factors no run constrains at 1
 STEP = 0.05  # finite-difference step in log(factor)
@@ -39,7 +38,7 @@ class Run:
 
 def predict(plan: Plan, profile: Profile) -> float:
     """Iteration time the planner predicts for exactly this plan under `profile` (shared CPU cores included)."""
-    from planner.search import Search
+    from meshplan.planner.search import Search
 
     p = plan.parallel
     constraints = Constraints(global_batch_size=p.global_batch_size, seq_len=p.seq_len, dtype=p.dtype)

@@ -6,8 +6,8 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from planner.errors import InputError, MeshplanError
-from planner.plan import DTYPES, RECOMPUTE, SCHEDULES
+from meshplan.planner.errors import InputError, MeshplanError
+from meshplan.planner.plan import DTYPES, RECOMPUTE, SCHEDULES
 
 SUBCOMMANDS = ("profile", "show", "export", "calibrate")
 
@@ -107,11 +107,11 @@ def main_parser() -> argparse.ArgumentParser:
 
 
 def run_main(argv: Sequence[str]) -> int:
-    from planner.cluster_spec import parse_cluster
-    from planner.constraints import Constraints
-    from planner.model_sources import resolve_model
-    from planner.plan import save_plan
-    from planner.search import find_plan
+    from meshplan.planner.cluster_spec import parse_cluster
+    from meshplan.planner.constraints import Constraints
+    from meshplan.planner.model_sources import resolve_model
+    from meshplan.planner.plan import save_plan
+    from meshplan.planner.search import find_plan
 
     args = main_parser().parse_args(argv)
     model = resolve_model(args.model)
@@ -124,11 +124,11 @@ def run_main(argv: Sequence[str]) -> int:
     )
     constraints.validate(model, cluster)
     if args.profile:
-        from profiler.profile import load_profile
+        from meshplan.profiler.profile import load_profile
 
         profile = load_profile(args.profile, model=model)
     else:
-        from profiler.source import profile_for
+        from meshplan.profiler.source import profile_for
 
         profile = profile_for(model, cluster, constraints.dtype)
     considered: list[tuple[float, float, str]] | None = [] if args.pareto else None
@@ -137,7 +137,7 @@ def run_main(argv: Sequence[str]) -> int:
     if args.output:
         save_plan(plan, args.output)
     if args.pareto:
-        from planner.pareto import plan_candidates, write_pareto
+        from meshplan.planner.pareto import plan_candidates, write_pareto
 
         _, chosen = plan_candidates(plan)
         write_pareto(considered, chosen, args.pareto, capacity_bytes=plan.cluster.device.memory_bytes,
@@ -146,7 +146,7 @@ def run_main(argv: Sequence[str]) -> int:
     if args.json:
         print(plan.to_json())
     else:
-        from planner.report import print_plan
+        from meshplan.planner.report import print_plan
 
         print_plan(plan)
         if args.output:
@@ -195,8 +195,8 @@ def _subcommand(name: str) -> Callable[[Sequence[str]], int]:
     """Each subcommand lives with its part: profile in profiler/, show/export/calibrate in planner/."""
     import importlib
 
-    targets = {"profile": "profiler.cli", "show": "planner.show", "export": "planner.export",
-               "calibrate": "planner.calibrate"}
+    targets = {"profile": "meshplan.profiler.cli", "show": "meshplan.planner.show", "export": "meshplan.planner.export",
+               "calibrate": "meshplan.planner.calibrate"}
     return importlib.import_module(targets[name]).main
 
 

@@ -13,9 +13,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import networkx as nx
-
-from planner.errors import InputError
-from planner.fields import Fields
+from meshplan.planner.errors import InputError
+from meshplan.planner.fields import Fields
 
 GiB = 1024**3
 MiB = 1024**2

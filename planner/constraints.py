@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.cluster_spec import ClusterSpec
-from planner.errors import InputError
-from planner.model_spec import ModelSpec
+from meshplan.planner.cluster_spec import ClusterSpec
+from meshplan.planner.errors import InputError
+from meshplan.planner.model_spec import ModelSpec
 
 
 @dataclass

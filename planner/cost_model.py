@@ -25,8 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from planner.model_spec import ModelSpec, vocab_shard, wrapped_unit_params
-from profiler.analytic import DTYPE_BYTES, layer_forward_flops
+from meshplan.planner.model_spec import ModelSpec, vocab_shard, wrapped_unit_params
+from meshplan.profiler.analytic import DTYPE_BYTES, layer_forward_flops
 
 # (parameter, gradient, optimizer) bytes per parameter; see the module docstring.
 STATE_BYTES = {"bf16": (2.0, 2.0, 12.0), "fp16": (2.0, 2.0, 12.0), "fp32": (4.0, 4.0, 8.0)}
@@ -694,7 +694,7 @@ def crossings(rank: list[int], k: int) -> int:
 def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtype: str, links: Links,
                   mem_limit: float, cuts: list[bool], terms: Terms | None = None) -> StageProblem:
     """Coefficients of `cand` for every layer, stage and rank."""
-    from planner.plan import stage_rank
+    from meshplan.planner.plan import stage_rank
 
     terms = terms or Terms(model, profile, seq_len, dtype)
     b, tp, dp, pp, v, zero = cand.b, cand.tp, cand.dp, cand.pp, cand.v, cand.zero

@@ -22,9 +22,9 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-from planner.cli import _Parser
-from planner.errors import InputError
-from planner.plan import Plan, load_plan
+from meshplan.planner.cli import _Parser
+from meshplan.planner.errors import InputError
+from meshplan.planner.plan import Plan, load_plan
 
 FORMATS = ("megatron", "torchtitan", "deepspeed")
 

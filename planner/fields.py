@@ -10,7 +10,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from planner.errors import InputError
+from meshplan.planner.errors import InputError
 
 _MISSING = object()
 

@@ -23,8 +23,7 @@ import math
 from dataclasses import replace
 
 import pulp
-
-from planner.cost_model import StageProblem, evaluate, min_recomputed_blocks, rank_of_stages
+from meshplan.planner.cost_model import StageProblem, evaluate, min_recomputed_blocks, rank_of_stages
 
 GiB = float(1 << 30)
 MS = 1e3  # times are scaled to milliseconds, bytes to GiB, to keep the solver's tolerances meaningful
@@ -79,7 +78,17 @@ def _solver(prefer: str | None = None):
     if name == "HiGHS":
         _silence_highs_banner()
         return pulp.HiGHS(msg=False, gapRel=0.0, gapAbs=1e-9, threads=1, timeLimit=TIME_LIMIT_S)
-    return pulp.PULP_CBC_CMD(msg=False, gapRel=0.0, gapAbs=1e-9, threads=1, timeLimit=TIME_LIMIT_S)
+    return pulp.COIN_CMD(msg=False, gapRel=0.0, gapAbs=1e-9, threads=1, timeLimit=TIME_LIMIT_S, path=_cbc_path())
+
+
+def _cbc_path() -> str | None:
+    """A `cbc` on PATH, else the binary PuLP ships (PuLP 3 deprecates PULP_CBC_CMD, not the binary;
+    COIN_CMD is its current interface to CBC)."""
+    import shutil
+
+    from pulp.apis.coin_api import pulp_cbc_path
+
+    return shutil.which("cbc") or pulp_cbc_path
 
 
 def _solved(prob: pulp.LpProblem, status: int) -> bool:
@@ -130,15 +139,15 @@ def _trim_recompute(P: StageProblem, bounds: list[int], recompute: list[int], ob
 
 def _rank_rows(prob: pulp.LpProblem, P: StageProblem, rank_expr, min_memory: bool) -> None:
     """Objective and per-rank rows; rank_expr(r) gives the rank's linear pieces (all its stages)."""
-    tau = pulp.LpVariable("tau", lowBound=0)
-    tail = pulp.LpVariable("tail", lowBound=0)
-    excess = pulp.LpVariable("excess", lowBound=0) if min_memory else None
+    tau = prob.add_variable("tau", lowBound=0)
+    tail = prob.add_variable("tail", lowBound=0)
+    excess = prob.add_variable("excess", lowBound=0) if min_memory else None
     zero3 = any(g > 0 for g in P.gather)
     for r in range(P.pp):
         pc = rank_expr(r)
         time = pc["time"]
         if zero3:  # gathers not hidden behind the rank's compute (cost_model.evaluate)
-            z = pulp.LpVariable(f"z3_{r}", lowBound=0)
+            z = prob.add_variable(f"z3_{r}", lowBound=0)
             prob += z >= pc["gather"] - pc["fwd"] - pc["bwd"], f"z3_over_{r}"
             prob += z >= P.unhidden * pc["gather"], f"z3_floor_{r}"
             time = time + z
@@ -177,7 +186,7 @@ def _add(pieces: list[dict]) -> dict:
 def _recompute_var(prob, P: StageProblem, name: str, blocks_expr):
     if P.recompute == "none" or P.rec_time == 0 and P.rec_saving == 0:
         return 0
-    r = pulp.LpVariable(name, lowBound=0, cat="Integer")
+    r = prob.add_variable(name, lowBound=0, cat="Integer")
     if P.recompute == "all":
         prob += r == blocks_expr, f"{name}_all"
     else:
@@ -194,7 +203,7 @@ def solve_assignment(P: StageProblem, solver: str | None = None, min_memory: boo
     x: dict[tuple[int, int], pulp.LpVariable] = {}
     for lyr in range(N):
         for s in range(max(0, S - N + lyr), min(S - 1, lyr) + 1):  # room for the other stages
-            x[lyr, s] = pulp.LpVariable(f"x_{lyr}_{s}", cat="Binary")
+            x[lyr, s] = prob.add_variable(f"x_{lyr}_{s}", cat="Binary")
     for lyr in range(N):
         prob += pulp.lpSum(x[lyr, s] for s in range(S) if (lyr, s) in x) == 1, f"assign_{lyr}"
     prob += x[0, 0] == 1, "first_layer"
@@ -248,7 +257,7 @@ def solve_counts(P: StageProblem, solver: str | None = None, min_memory: bool = 
     n, rec, signature = [], [], []
     for r, stages in enumerate(ranks):
         low = sum(1 for s in stages if 0 < s < S - 1)
-        n.append(pulp.LpVariable(f"n_{r}", lowBound=low, upBound=L, cat="Integer"))
+        n.append(prob.add_variable(f"n_{r}", lowBound=low, upBound=L, cat="Integer"))
         rec.append(_recompute_var(prob, P, f"r_{r}", n[r]))
         signature.append((low, 0 in stages, S - 1 in stages, P.inflight[r], P.fixed[r], P.ws.act[r], P.ws.emb[r],
                           P.ws.opt[r],

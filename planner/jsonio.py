@@ -7,7 +7,7 @@ import os
 import tempfile
 from typing import Any
 
-from planner.errors import InputError
+from meshplan.planner.errors import InputError
 
 
 def read_json(path: str, what: str) -> Any:

@@ -7,9 +7,9 @@ import importlib
 import os
 from typing import Any
 
-from planner.errors import InputError
-from planner.jsonio import read_json
-from planner.model_spec import LayerSpec, ModelSpec
+from meshplan.planner.errors import InputError
+from meshplan.planner.jsonio import read_json
+from meshplan.planner.model_spec import LayerSpec, ModelSpec
 
 _GPT2 = dict(arch="gpt2", norm="layernorm", mlp="gelu", position="learned", linear_bias=True,
              tied_embeddings=True, vocab_size=50257, norm_eps=1e-5)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from planner.errors import InputError
-from planner.fields import Fields
+from meshplan.planner.errors import InputError
+from meshplan.planner.fields import Fields
 
 LAYER_KINDS = ("embedding", "block", "head")
 ARCHS = ("gpt2", "llama", "custom")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from planner.errors import InputError
-from planner.plan import Plan
+from meshplan.planner.errors import InputError
+from meshplan.planner.plan import Plan
 
 Candidate = tuple[float, float, str]
 GIB = 1024**3

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import networkx as nx
 import numpy as np
-
-from planner.cluster_spec import ClusterSpec
-from planner.cost_model import Links
-from planner.model_spec import ModelSpec
+from meshplan.planner.cluster_spec import ClusterSpec
+from meshplan.planner.cost_model import Links
+from meshplan.planner.model_spec import ModelSpec
 
 ORDERS: tuple[tuple[str, ...], ...] = (("pp", "dp", "tp"), ("dp", "pp", "tp"))
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from planner.cluster_spec import ClusterSpec
-from planner.errors import InputError
-from planner.fields import Fields
-from planner.jsonio import read_json, write_atomic
-from planner.model_spec import ModelSpec
+from meshplan.planner.cluster_spec import ClusterSpec
+from meshplan.planner.errors import InputError
+from meshplan.planner.fields import Fields
+from meshplan.planner.jsonio import read_json, write_atomic
+from meshplan.planner.model_spec import ModelSpec
 
 SCHEMA_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from meshplan.planner.plan import Plan
 from rich.console import Console
 from rich.table import Table
-
-from planner.plan import Plan
 
 
 def human_bytes(n: float) -> str:

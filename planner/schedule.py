@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from planner.plan import SCHEDULES, Plan, stage_rank
+from meshplan.planner.plan import SCHEDULES, Plan, stage_rank
 
 COMPUTE_KINDS = ("forward", "backward", "backward_input", "backward_weight", "recompute")
 COMM_KINDS = ("p2p_forward", "p2p_backward")

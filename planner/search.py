@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from planner.cluster_spec import ClusterSpec
-from planner.constraints import Constraints
-from planner.cost_model import (
+from meshplan.planner.cluster_spec import ClusterSpec
+from meshplan.planner.constraints import Constraints
+from meshplan.planner.cost_model import (
     Candidate,
     Evaluation,
     GradSync,
@@ -43,11 +43,11 @@ from planner.cost_model import (
     unhidden_share,
     zb_ratio,
 )
-from planner.errors import InfeasibleError, InputError
-from planner.ilp import PartitionSolver, Solution
-from planner.model_spec import ModelSpec
-from planner.placement import Placer, allowed_cuts, model_graph
-from planner.plan import (
+from meshplan.planner.errors import InfeasibleError, InputError
+from meshplan.planner.ilp import PartitionSolver, Solution
+from meshplan.planner.model_spec import ModelSpec
+from meshplan.planner.placement import Placer, allowed_cuts, model_graph
+from meshplan.planner.plan import (
     Alternative,
     ParallelConfig,
     Placement,
@@ -57,8 +57,8 @@ from planner.plan import (
     StagePlan,
     stage_rank,
 )
-from planner.report import human_bytes
-from planner.shared_cores import relative_rate, shared_iteration_time
+from meshplan.planner.report import human_bytes
+from meshplan.planner.shared_cores import relative_rate, shared_iteration_time
 
 Progress = Callable[[int, int], None]
 MAX_VIRTUAL_STAGES = 8
@@ -383,10 +383,10 @@ def find_plan(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints, 
     `considered`, when given, receives (time, peak memory, label) of every candidate: the exact prediction
     for those the ILP solved, the lower bounds for those pruned before solving."""
     if profile is None:
-        from profiler.source import profile_for
+        from meshplan.profiler.source import profile_for
 
         profile = profile_for(model, cluster, constraints.dtype)
-    from planner import ilp
+    from meshplan.planner import ilp
 
     limited = ilp.TIME_LIMITED[0]
     start = time.perf_counter()

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from planner.cost_model import Evaluation
-from planner.schedule import StageTimes, simulate
+from meshplan.planner.cost_model import Evaluation
+from meshplan.planner.schedule import StageTimes, simulate
 
 Rate = Callable[[int], float]
 

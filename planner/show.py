@@ -12,18 +12,17 @@ import io
 import shutil
 from collections.abc import Sequence
 
+from meshplan.planner.cli import _Parser
+from meshplan.planner.errors import InputError
+from meshplan.planner.model_spec import ModelSpec
+from meshplan.planner.plan import Alternative, ParallelConfig, Plan, load_plan
+from meshplan.planner.report import human_bytes, human_count
+from meshplan.planner.schedule import Timeline, plan_timeline
+from meshplan.planner.timeline import render_text, write_png
 from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
-
-from planner.cli import _Parser
-from planner.errors import InputError
-from planner.model_spec import ModelSpec
-from planner.plan import Alternative, ParallelConfig, Plan, load_plan
-from planner.report import human_bytes, human_count
-from planner.schedule import Timeline, plan_timeline
-from planner.timeline import render_text, write_png
 
 BAR_WIDTH = 8
 
@@ -55,7 +54,7 @@ def main(argv: Sequence[str]) -> int:
         write_png(timeline, args.timeline, title=_title(plan))
         print(f"timeline written to {args.timeline}")
     if args.pareto:
-        from planner.pareto import plan_candidates, write_pareto
+        from meshplan.planner.pareto import plan_candidates, write_pareto
 
         candidates, chosen = plan_candidates(plan)
         write_pareto(candidates, chosen, args.pareto, capacity_bytes=plan.cluster.device.memory_bytes,

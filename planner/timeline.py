@@ -6,10 +6,9 @@ point-to-point transfers show on the receiving rank, and what is left blank is t
 
 from __future__ import annotations
 
+from meshplan.planner.errors import InputError
+from meshplan.planner.schedule import COMPUTE_KINDS, Event, Timeline
 from rich.text import Text
-
-from planner.errors import InputError
-from planner.schedule import COMPUTE_KINDS, Event, Timeline
 
 GLYPH = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W", "recompute": "R"}
 STYLE = {"forward": "blue", "backward": "green", "backward_input": "green", "backward_weight": "cyan",

@@ -3,7 +3,7 @@ the shape that measured samples are fitted to when the planner asks for sizes th
 
 from __future__ import annotations
 
-from planner.model_spec import ModelSpec, vocab_shard
+from meshplan.planner.model_spec import ModelSpec, vocab_shard
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 

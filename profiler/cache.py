@@ -14,11 +14,10 @@ import os
 import sys
 
 import torch
-
-from planner import __version__ as meshplan_version
-from planner.errors import InputError
-from planner.model_spec import ModelSpec
-from profiler.profile import SCHEMA_VERSION, Profile, load_profile, same_model, save_profile
+from meshplan.planner import __version__ as meshplan_version
+from meshplan.planner.errors import InputError
+from meshplan.planner.model_spec import ModelSpec
+from meshplan.profiler.profile import SCHEMA_VERSION, Profile, load_profile, same_model, save_profile
 
 
 def cache_dir() -> str:

@@ -8,9 +8,9 @@ import re
 import sys
 from collections.abc import Sequence
 
-from planner.cli import _Parser, positive_int
-from planner.errors import InputError
-from planner.plan import DTYPES
+from meshplan.planner.cli import _Parser, positive_int
+from meshplan.planner.errors import InputError
+from meshplan.planner.plan import DTYPES
 
 _SIZE_RE = re.compile(r"^(\d+)\s*(B|KiB|MiB|GiB)?$", re.IGNORECASE)
 _UNITS = {"b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
@@ -53,9 +53,8 @@ def parser() -> argparse.ArgumentParser:
 
 def _check(args: argparse.Namespace, model, cluster) -> None:
     import torch
-
-    from profiler.layers import check_buildable, shard_spec
-    from profiler.source import local_device
+    from meshplan.profiler.layers import check_buildable, shard_spec
+    from meshplan.profiler.source import local_device
 
     check_buildable(model)
     if cluster.device.kind == "cuda":
@@ -76,9 +75,9 @@ def _check(args: argparse.Namespace, model, cluster) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    from planner.cluster_spec import parse_cluster
-    from planner.model_sources import resolve_model
-    from profiler.profile import save_profile
+    from meshplan.planner.cluster_spec import parse_cluster
+    from meshplan.planner.model_sources import resolve_model
+    from meshplan.profiler.profile import save_profile
 
     args = parser().parse_args(list(argv))
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun every rank measures; rank 0 reports
@@ -86,7 +85,7 @@ def main(argv: Sequence[str]) -> int:
     model = resolve_model(args.model)
     cluster = parse_cluster(args.cluster)
     if args.preset:
-        from profiler.presets import preset_profile
+        from meshplan.profiler.presets import preset_profile
 
         profile = preset_profile(model, cluster, args.dtype)
     else:
@@ -95,7 +94,7 @@ def main(argv: Sequence[str]) -> int:
     if args.output:
         save_profile(profile, args.output)
     if not args.quiet:
-        from profiler.report import print_profile
+        from meshplan.profiler.report import print_profile
 
         print_profile(profile)
         if args.output:
@@ -108,9 +107,9 @@ def covers(profile, cfg) -> bool:
     size and TP degree, the whole-model chain (whole and split backward; tensor-parallel at each degree
     timed across ranks), and the in-situ engine and per-schedule pipeline measurements when several ranks
     run."""
-    from planner.model_spec import wrapped_unit_params
-    from planner.plan import SCHEDULES
-    from profiler.measure import in_situ_phases
+    from meshplan.planner.model_spec import wrapped_unit_params
+    from meshplan.planner.plan import SCHEDULES
+    from meshplan.profiler.measure import in_situ_phases
 
     have = {(c.micro_batch_size, c.seq_len, c.tp) for c in profile.compute if c.kind == "block"}
     want = {(b, s, t) for b in cfg.micro_batch_sizes for s in cfg.seq_lens for t in cfg.tps}
@@ -130,9 +129,9 @@ def covers(profile, cfg) -> bool:
 
 
 def _measure_or_cached(args: argparse.Namespace, model, cluster):
-    from profiler.cache import load_cached, store
-    from profiler.compute import TimingConfig
-    from profiler.measure import default_config, device_name, measure_profile
+    from meshplan.profiler.cache import load_cached, store
+    from meshplan.profiler.compute import TimingConfig
+    from meshplan.profiler.measure import default_config, device_name, measure_profile
 
     cfg = default_config(model, cluster, args.dtype, seq_len=args.seq_len, micro_batch_sizes=args.micro_batch_sizes,
                          tps=args.tp_degrees, timing=TimingConfig(args.warmup, args.repeats, max(args.repeats, 25)),

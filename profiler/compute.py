@@ -13,10 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from planner.model_spec import ModelSpec
-from profiler.layers import build_case, build_tp_case, forward
-from profiler.profile import ComputeSample
+from meshplan.planner.model_spec import ModelSpec
+from meshplan.profiler.layers import build_case, build_tp_case, forward
+from meshplan.profiler.profile import ComputeSample
 
 
 @dataclass

@@ -16,12 +16,11 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from meshplan.executor.model import Block, Embedding, Head, loss_fn
+from meshplan.executor.parallelize import checkpointed_block, recompute_attention_core, tp_loss
+from meshplan.planner.errors import InputError
+from meshplan.planner.model_spec import ModelSpec, vocab_shard
 from torch.overrides import TorchFunctionMode
-
-from executor.model import Block, Embedding, Head, loss_fn
-from executor.parallelize import checkpointed_block, recompute_attention_core, tp_loss
-from planner.errors import InputError
-from planner.model_spec import ModelSpec, vocab_shard
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -137,8 +136,8 @@ def build_tp_case(spec: ModelSpec, kind: str, b: int, s: int, tp_mesh, dtype: st
     .apply_tp with sequence parallelism, DTensor collectives included), seen from one rank of the group:
     block and head take this rank's sequence shard, the embedding the full token ids. Every rank of the
     mesh must run the same passes (the collectives pair them up)."""
-    from executor.model import Transformer
-    from executor.parallelize import apply_tp, materialise
+    from meshplan.executor.model import Transformer
+    from meshplan.executor.parallelize import apply_tp, materialise
 
     tp = tp_mesh.size()
     if s % tp:

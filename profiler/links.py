@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-from profiler.compute import Stopwatch, median, spread
-from profiler.profile import LINK_OPS, LinkFit, _fit_line, collective_factors
+from meshplan.profiler.compute import Stopwatch, median, spread
+from meshplan.profiler.profile import LINK_OPS, LinkFit, _fit_line, collective_factors
 
 KiB, MiB = 1024, 1024**2
 

@@ -20,15 +20,14 @@ from datetime import datetime, timedelta, timezone
 
 import torch
 import torch.distributed as dist
-
-from planner.cluster_spec import ClusterSpec
-from planner.model_spec import ModelSpec
-from profiler.compute import Stopwatch, TimingConfig, grid, measure_sample, median, typical, typical_time
-from profiler.layers import build_case
-from profiler.links import LinkTiming, fit_timings, message_sizes, time_ops
-from profiler.memory import measure_activations, measure_state
-from profiler.pipeline_insitu import measure_pipeline_overheads
-from profiler.profile import (
+from meshplan.planner.cluster_spec import ClusterSpec
+from meshplan.planner.model_spec import ModelSpec
+from meshplan.profiler.compute import Stopwatch, TimingConfig, grid, measure_sample, median, typical, typical_time
+from meshplan.profiler.layers import build_case
+from meshplan.profiler.links import LinkTiming, fit_timings, message_sizes, time_ops
+from meshplan.profiler.memory import measure_activations, measure_state
+from meshplan.profiler.pipeline_insitu import measure_pipeline_overheads
+from meshplan.profiler.profile import (
     LINK_OPS,
     RECOMPUTE_MODES,
     ChainSample,
@@ -40,8 +39,8 @@ from profiler.profile import (
     StateSample,
     WrapperSample,
 )
-from profiler.progress import Reporter
-from profiler.wrappers import chain_pass_times, measure_chains, measure_wrappers
+from meshplan.profiler.progress import Reporter
+from meshplan.profiler.wrappers import chain_pass_times, measure_chains, measure_wrappers
 
 # On GPU the other ranks wait in a barrier while rank 0 measures compute, which can take long for a big
 # model: longer than NCCL's default 10-minute watchdog.
@@ -109,7 +108,7 @@ def default_threads(nprocs: int) -> int:
 def measure_optimizer(spec: ModelSpec, dtype: str, device: torch.device, timing: TimingConfig) -> float:
     """Seconds per parameter of the executor's optimizer step (fp32 master weights, as mixed precision steps
     them): the global-norm clip (executor.train: foreach norms, then scaling every gradient) and AdamW."""
-    from executor.train import grad_norm_sq, local_grads
+    from meshplan.executor.train import grad_norm_sq, local_grads
 
     params = [p.detach().float().clone().requires_grad_(True)
               for p in build_case(spec, "block", 1, 1, 1, dtype, device).parameters()]
@@ -301,7 +300,7 @@ def _steps(cfg: MeasureConfig, world: int, local_world: int) -> int:
 
 def run_rank(cfg: MeasureConfig, rank: int, world: int, local_rank: int, local_world: int) -> dict | None:
     """The per-rank body (process group already initialised when world > 1); rank 0 returns the results."""
-    from executor.train import collection_paused
+    from meshplan.executor.train import collection_paused
 
     threads = torch.get_num_threads()
     try:
@@ -475,7 +474,7 @@ def default_config(model: ModelSpec, cluster: ClusterSpec, dtype: str, *, seq_le
     """Enough (b, s, t) points for the planner's fit (time = overhead + FLOPs x rate per kind): b in
     {1, 2, 4}, the sequence length and its half, every power-of-two t up to the node size (max 8) that
     divides the heads. `quick` (plan's own measurement) trims repeats and the largest messages."""
-    from profiler.layers import check_buildable, tp_degrees
+    from meshplan.profiler.layers import check_buildable, tp_degrees
 
     check_buildable(model)
     kind = cluster.device.kind

@@ -14,11 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from meshplan.planner.model_spec import ModelSpec
+from meshplan.profiler.layers import TORCH_DTYPES, build_case, forward
+from meshplan.profiler.profile import MemorySample, StateSample
 from torch.distributed.tensor import DTensor
-
-from planner.model_spec import ModelSpec
-from profiler.layers import TORCH_DTYPES, build_case, forward
-from profiler.profile import MemorySample, StateSample
 
 
 @dataclass

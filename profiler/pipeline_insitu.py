@@ -18,11 +18,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
-from planner.model_spec import ModelSpec
-from planner.plan import SCHEDULES, stage_rank
-from profiler.compute import TimingConfig, typical, typical_time
-from profiler.layers import TORCH_DTYPES
+from meshplan.planner.model_spec import ModelSpec
+from meshplan.planner.plan import SCHEDULES, stage_rank
+from meshplan.profiler.compute import TimingConfig, typical, typical_time
+from meshplan.profiler.layers import TORCH_DTYPES
 
 VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 2}  # as measured, per rank
 

@@ -4,11 +4,10 @@ from documented bandwidths and latencies (planner/cluster_spec.py cites the figu
 from __future__ import annotations
 
 import torch
-
-from planner.cluster_spec import ClusterSpec
-from planner.model_spec import ModelSpec
-from profiler.analytic import layer_forward_flops
-from profiler.profile import LINK_OPS, ComputeSample, LinkFit, Profile
+from meshplan.planner.cluster_spec import ClusterSpec
+from meshplan.planner.model_spec import ModelSpec
+from meshplan.profiler.analytic import layer_forward_flops
+from meshplan.profiler.profile import LINK_OPS, ComputeSample, LinkFit, Profile
 
 # AdamW with mixed precision touches ~36 bytes per parameter per step (read param, grad, 2 moments and the
 # fp32 master copy; write back param, moments, master): memory-bound, so bytes / memory bandwidth.

@@ -12,12 +12,12 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-from planner.errors import InputError
-from planner.fields import Fields
-from planner.jsonio import read_json, write_atomic
-from planner.model_spec import ModelSpec
-from planner.plan import SCHEDULES
-from profiler.analytic import layer_activation_bytes, layer_forward_flops
+from meshplan.planner.errors import InputError
+from meshplan.planner.fields import Fields
+from meshplan.planner.jsonio import read_json, write_atomic
+from meshplan.planner.model_spec import ModelSpec
+from meshplan.planner.plan import SCHEDULES
+from meshplan.profiler.analytic import layer_activation_bytes, layer_forward_flops
 
 SCHEMA_VERSION = 1
 LAYER_KINDS = ("embedding", "block", "head")

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from meshplan.profiler.profile import Profile
 from rich.console import Console
 from rich.table import Table
-
-from profiler.profile import Profile
 
 
 def _act(profile: Profile, kind: str, b: int, s: int, tp: int, mode: str) -> str:
@@ -71,8 +70,8 @@ def print_profile(profile: Profile, console: Console | None = None) -> None:
         console.print(f"all-reduce of a scalar over all ranks (the step's gradient norm and loss): "
                       f"{profile.step_sync_s * 1e3:.3f} ms")
     if profile.wrappers:
-        from planner.cost_model import in_situ_factor
-        from profiler.wrappers import ENGINE_ZERO
+        from meshplan.planner.cost_model import in_situ_factor
+        from meshplan.profiler.wrappers import ENGINE_ZERO
 
         et = Table(title=f"data-parallel engines in situ ({profile.wrappers[0].ranks} ranks)")
         for col in ("engine", "ZeRO", "hooks ms / unit / micro-batch", "reduction ms", "x link fit", "AdamW x"):

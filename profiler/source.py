@@ -9,12 +9,11 @@ import sys
 from dataclasses import replace
 
 import torch
-
-from planner.cluster_spec import ClusterSpec
-from planner.model_spec import ModelSpec
-from profiler.analytic import layer_forward_flops
-from profiler.presets import preset_profile
-from profiler.profile import LINK_OPS, LinkFit, Profile
+from meshplan.planner.cluster_spec import ClusterSpec
+from meshplan.planner.model_spec import ModelSpec
+from meshplan.profiler.analytic import layer_forward_flops
+from meshplan.profiler.presets import preset_profile
+from meshplan.profiler.profile import LINK_OPS, LinkFit, Profile
 
 # `plan` measures by itself only when asked: measuring takes tens of seconds and uses every core, which
 # neither a test suite nor a user planning many variants wants by surprise.
@@ -69,8 +68,8 @@ def profile_for(model: ModelSpec, cluster: ClusterSpec, dtype: str) -> Profile:
     """The profile `plan` uses when no --profile is given."""
     where = local_device(cluster)
     if where is not None:
-        from profiler.cache import load_cached, store
-        from profiler.measure import default_config, device_name, measure_profile
+        from meshplan.profiler.cache import load_cached, store
+        from meshplan.profiler.measure import default_config, device_name, measure_profile
 
         kind, ranks = where
         concurrent = ranks if kind == "cpu" else 1

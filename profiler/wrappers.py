@@ -20,13 +20,12 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-
-from executor.model import loss_fn
-from executor.parallelize import tp_loss
-from planner.model_spec import ModelSpec, wrapped_unit_params
-from profiler.compute import TimingConfig, median, typical_time
-from profiler.layers import TORCH_DTYPES
-from profiler.profile import ENGINES, ChainSample, WrapperSample
+from meshplan.executor.model import loss_fn
+from meshplan.executor.parallelize import tp_loss
+from meshplan.planner.model_spec import ModelSpec, wrapped_unit_params
+from meshplan.profiler.compute import TimingConfig, median, typical_time
+from meshplan.profiler.layers import TORCH_DTYPES
+from meshplan.profiler.profile import ENGINES, ChainSample, WrapperSample
 
 ENGINE_ZERO = dict(zip(ENGINES, (0, 1, 3)))  # the ZeRO level each engine is measured at
 
@@ -36,9 +35,9 @@ def _model(spec: ModelSpec, blocks: int, device: torch.device, dtype: str, mesh=
     """The model cut to its embedding, first `blocks` blocks and head; wrapped as the executor wraps a
     stage when `mesh` is given; tensor-parallel over `tp_mesh` (sequence parallel, untied like the
     per-layer TP samples) when that is given."""
-    from executor.model import Transformer
-    from executor.parallelize import apply_dp, apply_tp, materialise
-    from planner.plan import ParallelConfig
+    from meshplan.executor.model import Transformer
+    from meshplan.executor.parallelize import apply_dp, apply_tp, materialise
+    from meshplan.planner.plan import ParallelConfig
 
     with torch.device("meta"):
         model = Transformer(replace(spec, tied_embeddings=False) if tp_mesh is not None else spec)
@@ -93,7 +92,7 @@ def _optimizer_time(model, device: torch.device, cfg: TimingConfig, executors: b
     builds it (executor.train.make_optimizer: foreach per parameter group, through DTensor), on the
     gradients the model's passes left (tensor parallelism's Partial ones reduced first, as the executor
     does; each timed step starts from them again)."""
-    from executor.train import TrainConfig, make_optimizer, reduce_partial_grads
+    from meshplan.executor.train import TrainConfig, make_optimizer, reduce_partial_grads
 
     params = list(model.parameters())
     for p in params:  # random, not zero, gradients: CPU AdamW stepped 10 M zero ones in 98-144 ms, random 66-87

@@ -11,9 +11,8 @@ import traceback
 
 import torch
 import torch.distributed as dist
-
-from executor.train import TrainConfig, Trainer
-from planner.plan import load_plan
+from meshplan.executor.train import TrainConfig, Trainer
+from meshplan.planner.plan import load_plan
 
 
 def main() -> None:
@@ -40,9 +39,9 @@ def main() -> None:
 def reference_losses(plan_path: str, steps: int, seed: int, tokens=None) -> list[float]:
     """A plain single-process PyTorch loop over the full model and the same global batches: what every
     plan must reproduce. `tokens`: a TokenFile-like source instead of the synthetic stream."""
-    from executor.data import SyntheticData
-    from executor.model import Transformer, init_weights, loss_fn
-    from executor.train import lr_multiplier, make_optimizer
+    from meshplan.executor.data import SyntheticData
+    from meshplan.executor.model import Transformer, init_weights, loss_fn
+    from meshplan.executor.train import lr_multiplier, make_optimizer
 
     plan = load_plan(plan_path)
     p, cfg = plan.parallel, TrainConfig(steps=steps, seed=seed)
@@ -72,7 +71,7 @@ def repo_root() -> str:
 
 
 def _run_then_exit(rank: int, fn, args: tuple) -> None:
-    from profiler.measure import exit_spawned_rank
+    from meshplan.profiler.measure import exit_spawned_rank
 
     fn(rank, *args)
     exit_spawned_rank()
@@ -95,7 +94,7 @@ def free_port() -> int:
 
 def torchrun(args: list[str], nproc: int, timeout: float = 240, extra_env: dict | None = None,
              torchrun_args: list[str] | None = None):
-    """Run `torchrun --nproc-per-node nproc ... ARGS` (ARGS start with `-m executor` or a script) on a free
+    """Run `torchrun --nproc-per-node nproc ... ARGS` (ARGS start with `-m meshplan.executor` or a script) on a free
     port, with the worktree on PYTHONPATH; returns the CompletedProcess."""
     import os
     import subprocess

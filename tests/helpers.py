@@ -1,8 +1,8 @@
 """Hand-built plans for tests that must not depend on the search."""
 
-from planner.cluster_spec import parse_cluster
-from planner.model_sources import builtin_model
-from planner.plan import ParallelConfig, Plan, Predicted, StagePlan, stage_rank
+from meshplan.planner.cluster_spec import parse_cluster
+from meshplan.planner.model_sources import builtin_model
+from meshplan.planner.plan import ParallelConfig, Plan, Predicted, StagePlan, stage_rank
 
 
 def even_stages(num_layers: int, num_stages: int) -> list[tuple[int, int]]:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
-from planner.cluster_spec import ClusterSpec, parse_cluster
-from planner.constraints import Constraints
-from planner.cost_model import StageProblem, evaluate
-from planner.model_sources import builtin_model
-from planner.model_spec import ModelSpec
-from planner.search import Search, candidates
+from meshplan.planner.cluster_spec import ClusterSpec, parse_cluster
+from meshplan.planner.constraints import Constraints
+from meshplan.planner.cost_model import StageProblem, evaluate
+from meshplan.planner.model_sources import builtin_model
+from meshplan.planner.model_spec import ModelSpec
+from meshplan.planner.search import Search, candidates
 
 
 def partitions(P: StageProblem):

@@ -63,7 +63,7 @@ def test_noise_summary_separates_run_to_run_drift_from_the_plans_errors():
 
 
 def test_machine_probe_times_a_block_of_the_model():
-    from planner.model_sources import builtin_model
+    from meshplan.planner.model_sources import builtin_model
 
     bench = _benchmark()
     model = builtin_model("tiny").to_dict()
@@ -86,7 +86,7 @@ def test_a_run_counts_the_steps_the_executor_times(tmp_path, monkeypatch):
     memory probe instrumented (the torch profiler slows it many times), not the warm-up step."""
     import json
 
-    from executor.metrics import Metrics
+    from meshplan.executor.metrics import Metrics
 
     bench = _benchmark()
     metrics = Metrics(str(tmp_path / "plan0.jsonl"), True)
@@ -150,14 +150,13 @@ def test_resimulate_repredicts_a_finished_run(tmp_path, capsys):
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import resimulate
-
-    from planner.cluster_spec import parse_cluster
-    from planner.constraints import Constraints
-    from planner.model_sources import builtin_model
-    from planner.plan import save_plan
-    from planner.search import find_plan
-    from profiler.presets import preset_profile
-    from profiler.profile import save_profile
+    from meshplan.planner.cluster_spec import parse_cluster
+    from meshplan.planner.constraints import Constraints
+    from meshplan.planner.model_sources import builtin_model
+    from meshplan.planner.plan import save_plan
+    from meshplan.planner.search import find_plan
+    from meshplan.profiler.presets import preset_profile
+    from meshplan.profiler.profile import save_profile
 
     model, cluster = builtin_model("tiny"), parse_cluster("2xcpu")
     profile = preset_profile(model, cluster, "fp32")

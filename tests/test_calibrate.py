@@ -2,16 +2,15 @@ import json
 from dataclasses import replace
 
 import pytest
-
-from planner.calibrate import predict
-from planner.cli import main
-from planner.cluster_spec import parse_cluster
-from planner.constraints import Constraints
-from planner.model_sources import builtin_model
-from planner.plan import save_plan
-from planner.search import find_plan
-from profiler.presets import preset_profile
-from profiler.profile import load_profile, save_profile
+from meshplan.planner.calibrate import predict
+from meshplan.planner.cli import main
+from meshplan.planner.cluster_spec import parse_cluster
+from meshplan.planner.constraints import Constraints
+from meshplan.planner.model_sources import builtin_model
+from meshplan.planner.plan import save_plan
+from meshplan.planner.search import find_plan
+from meshplan.profiler.presets import preset_profile
+from meshplan.profiler.profile import load_profile, save_profile
 
 TRAIN = [dict(dp=4), dict(dp=4, micro_batch_size=1), dict(dp=2, tp=2), dict(pp=4), dict(pp=2, dp=2),
          dict(tp=2, pp=2), dict(dp=2, tp=2, zero=3, micro_batch_size=1)]

@@ -1,9 +1,9 @@
+import os
 import subprocess
 import sys
 
 import pytest
-
-from planner.cli import main
+from meshplan.planner.cli import main
 
 
 def run(capsys, *argv):
@@ -72,7 +72,7 @@ def test_help_documents_every_subcommand(capsys):
 
 
 def test_console_script_installed():
-    proc = subprocess.run([sys.executable, "-m", "planner", "--help"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "meshplan.planner", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "usage: plan" in proc.stdout
 
 
@@ -81,3 +81,14 @@ def test_pareto_of_every_candidate(capsys, tmp_path):
     code, stdout, _ = run(capsys, "gpt2", "--cluster", "4xa100-80gb", "--pareto", str(out))
     assert code == 0 and out.stat().st_size > 10_000
     assert "candidates written to" in stdout
+
+
+def test_installed_under_meshplan_only(tmp_path):
+    """The parts install as meshplan.planner/profiler/executor; bare top-level names (PyPI has other
+    distributions called planner, profiler and executor) must not import outside the repository."""
+    code = ("import importlib.util as u, meshplan.planner.cli, meshplan.profiler.cli, meshplan.executor.cli\n"
+            "print([u.find_spec(n) is None for n in ('planner', 'profiler', 'executor')])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[True, True, True]"

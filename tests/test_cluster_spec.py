@@ -1,9 +1,8 @@
 import json
 
 import pytest
-
-from planner.cluster_spec import ClusterSpec, GiB, parse_cluster
-from planner.errors import InputError
+from meshplan.planner.cluster_spec import ClusterSpec, GiB, parse_cluster
+from meshplan.planner.errors import InputError
 
 
 @pytest.mark.parametrize("text,nodes,per_node,dtype", [

@@ -3,9 +3,8 @@
 import math
 
 import pytest
-
-from planner.cluster_spec import parse_cluster
-from planner.cost_model import (
+from meshplan.planner.cluster_spec import parse_cluster
+from meshplan.planner.cost_model import (
     Candidate,
     Links,
     StageProblem,
@@ -26,8 +25,8 @@ from planner.cost_model import (
     unhidden_share,
     zb_ratio,
 )
-from planner.model_sources import builtin_model
-from profiler.presets import preset_profile
+from meshplan.planner.model_sources import builtin_model
+from meshplan.profiler.presets import preset_profile
 
 
 def test_adam_mixed_precision_is_16_bytes_per_param():
@@ -156,8 +155,8 @@ def test_data_parallel_collectives_follow_the_executor_engines():
 
 
 def _with_engines(profile, hook_s: float, sync_s: float, ratio: float):
-    from planner.model_spec import wrapped_unit_params
-    from profiler.profile import ENGINES, WrapperSample
+    from meshplan.planner.model_spec import wrapped_unit_params
+    from meshplan.profiler.profile import ENGINES, WrapperSample
 
     units = wrapped_unit_params(profile.model, 2)
     profile.wrappers = [WrapperSample(e, 2, 1, 64, units, hook_s, sync_s, ratio) for e in ENGINES]
@@ -191,7 +190,7 @@ def test_in_situ_engine_costs_replace_the_link_fit():
 
 
 def test_tp_collectives_not_added_twice_when_measured_across_ranks():
-    from profiler.profile import ComputeSample
+    from meshplan.profiler.profile import ComputeSample
 
     model = builtin_model("tiny")
     profile = preset_profile(model, parse_cluster("2xcpu"))
@@ -221,7 +220,7 @@ def test_pipeline_overhead_measured_in_situ_per_schedule_replaces_the_hop():
 def test_pipeline_overhead_follows_the_micro_batch_size_between_measured_sizes():
     """The P2P inside the in-situ figure carries b·s·h values: measured at the smallest and largest
     micro-batch size, interpolated over log2(b) between them and clamped outside."""
-    from profiler.profile import PipelineSample
+    from meshplan.profiler.profile import PipelineSample
 
     model = builtin_model("tiny")
     profile = preset_profile(model, parse_cluster("2xcpu"))
@@ -256,7 +255,7 @@ def test_one_f_one_b_pays_gpipe_overhead_outside_its_steady_state():
 
 
 def test_zero_bubble_backward_pays_the_measured_split():
-    from profiler.profile import ChainSample, ComputeSample
+    from meshplan.profiler.profile import ChainSample, ComputeSample
 
     model = builtin_model("tiny")
     profile = preset_profile(model, parse_cluster("2xcpu"))
@@ -276,7 +275,7 @@ def test_zero_bubble_backward_pays_the_measured_split():
 
 
 def test_chain_factor_scales_tp1_layer_times_between_measured_sizes():
-    from profiler.profile import ChainSample, ComputeSample
+    from meshplan.profiler.profile import ChainSample, ComputeSample
 
     model = builtin_model("tiny")
     profile = preset_profile(model, parse_cluster("2xcpu"))
@@ -297,8 +296,8 @@ def test_tensor_parallel_optimizer_step_takes_the_measured_dtensor_ratio():
     term; data parallelism's in-situ ratio, when larger, wins; unmeasured degrees step at the plain rate."""
     from dataclasses import replace
 
-    from planner.cost_model import optimizer_time
-    from profiler.profile import ChainSample, WrapperSample
+    from meshplan.planner.cost_model import optimizer_time
+    from meshplan.profiler.profile import ChainSample, WrapperSample
 
     profile = preset_profile(builtin_model("tiny"), parse_cluster("2xcpu"))
     plain = optimizer_time(profile, 1e6, 1, 0)
@@ -317,7 +316,7 @@ def test_the_steps_scalar_all_reduces_join_every_ranks_tail():
     tail carries them, and the lower bounds too."""
     from dataclasses import replace
 
-    from planner.cost_model import lower_bound, step_sync_time
+    from meshplan.planner.cost_model import lower_bound, step_sync_time
 
     model = builtin_model("tiny")
     profile = preset_profile(model, parse_cluster("4xcpu"))
@@ -342,7 +341,7 @@ def test_the_steps_scalar_all_reduces_join_every_ranks_tail():
 
 def test_step_transients_by_hand():
     """Workspace of the three transient moments (cost_model.Workspace) on a tied model."""
-    from planner.cost_model import step_transients
+    from meshplan.planner.cost_model import step_transients
 
     model = builtin_model("gpt2")  # tied, V = 50257 (not divisible by 2: the vocabulary is not split)
     V, h, s = model.vocab_size, model.hidden_size, 1024
@@ -368,9 +367,9 @@ def test_in_situ_factor_takes_the_units_from_the_model():
     model (a tied root holds the embedding's weight once): profiles that stored a wrong root read alike."""
     from dataclasses import replace
 
-    from planner.cost_model import DTYPE_BYTES, in_situ_factor
-    from planner.model_spec import wrapped_unit_params
-    from profiler.profile import WrapperSample
+    from meshplan.planner.cost_model import DTYPE_BYTES, in_situ_factor
+    from meshplan.planner.model_spec import wrapped_unit_params
+    from meshplan.profiler.profile import WrapperSample
 
     model = builtin_model("gpt-20m")
     profile = preset_profile(model, parse_cluster("2xcpu"))

@@ -8,10 +8,10 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from meshplan.executor.cli import main
+from meshplan.executor.data import TokenFile
+from meshplan.planner.plan import save_plan
 
-from executor.cli import main
-from executor.data import TokenFile
-from planner.plan import save_plan
 from tests.executor_worker import free_port, reference_losses, repo_root, torchrun
 from tests.helpers import make_plan
 
@@ -83,7 +83,7 @@ def test_every_rank_reports_under_torchrun(tmp_path):
     # torchrun stops the other workers once one has failed; monitoring every 5 s (not 0.1 s) lets the
     # slower rank reach its own check first on a loaded machine
     args = ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--monitor-interval", "5"]
-    proc = torchrun(["-m", "executor", str(path)], nproc=2, timeout=180, torchrun_args=args)
+    proc = torchrun(["-m", "meshplan.executor", str(path)], nproc=2, timeout=180, torchrun_args=args)
     assert proc.returncode != 0
     assert os.path.join(repo_root(), "executor") not in proc.stderr  # torchrun's own report only, no rank traceback
     for rank in (0, 1):
@@ -146,7 +146,7 @@ def test_training_pauses_automatic_collection_and_collects_every_gc_interval(tmp
     steps, and the interpreter's setting back afterwards."""
     import gc
 
-    from executor import train
+    from meshplan.executor import train
 
     path = tmp_path / "plan.json"
     save_plan(make_plan(cluster="1xcpu", micro_batch_size=1, num_micro_batches=1, seq_len=8), str(path))

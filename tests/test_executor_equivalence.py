@@ -6,9 +6,9 @@ import os
 from dataclasses import replace
 
 import pytest
+from meshplan.planner.model_sources import builtin_model
+from meshplan.planner.plan import Placement, save_plan
 
-from planner.model_sources import builtin_model
-from planner.plan import Placement, save_plan
 from tests.executor_worker import reference_losses, torchrun
 from tests.helpers import make_plan
 

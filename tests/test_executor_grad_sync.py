@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from meshplan.executor.train import TrainConfig, Trainer
+from meshplan.planner.cost_model import Candidate, grad_sync
+from meshplan.planner.plan import load_plan, save_plan
 
-from executor.train import TrainConfig, Trainer
-from planner.cost_model import Candidate, grad_sync
-from planner.plan import load_plan, save_plan
 from tests.executor_worker import free_port, spawn_ranks
 from tests.helpers import make_plan
 
@@ -86,8 +86,8 @@ def test_sequence_parallel_gradients_are_reduced_once_before_the_norm_and_the_st
     """Sequence parallelism leaves the norms' weight gradients Partial (a sum per sequence shard). The
     executor reduces them before clipping, so its global norm is the single process's, and AdamW never
     sees a Partial gradient (which it would all-reduce once per op that reads it)."""
-    from executor.data import SyntheticData
-    from executor.model import Transformer, init_weights, loss_fn
+    from meshplan.executor.data import SyntheticData
+    from meshplan.executor.model import Transformer, init_weights, loss_fn
 
     plan = make_plan(cluster="2xcpu", tp=2, sequence_parallel=True, micro_batch_size=2, num_micro_batches=2)
     path = str(tmp_path / "tp2-sp.json")

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
+from meshplan.planner.plan import save_plan
 
-from planner.plan import save_plan
 from tests.executor_worker import free_port, reference_losses, repo_root
 from tests.helpers import make_plan
 
@@ -23,7 +23,7 @@ def test_two_nodes_on_localhost(tmp_path):
     for node in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", "meshplan-test", "-m", "executor", str(plan), "--steps", "3", "--seed", "4",
+               "--rdzv-id", "meshplan-test", "-m", "meshplan.executor", str(plan), "--steps", "3", "--seed", "4",
                "--metrics", str(metrics)]
         procs.append(subprocess.Popen(cmd, env=env, cwd=repo_root(), stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))

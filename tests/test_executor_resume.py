@@ -5,9 +5,9 @@ checkpoint and reproduces the uninterrupted run's losses exactly."""
 import json
 
 import pytest
+from meshplan.executor import checkpoint
+from meshplan.planner.plan import save_plan
 
-from executor import checkpoint
-from planner.plan import save_plan
 from tests.executor_worker import free_port, torchrun
 from tests.helpers import make_plan
 
@@ -20,7 +20,7 @@ def losses(path) -> dict[int, float]:
 def test_killed_rank_resumes_exactly(tmp_path):
     plan = tmp_path / "plan.json"
     save_plan(make_plan(dp=2, zero=3, cluster="2xcpu", micro_batch_size=2, num_micro_batches=2), str(plan))
-    common = ["-m", "executor", str(plan), "--steps", "6", "--seed", "2"]
+    common = ["-m", "meshplan.executor", str(plan), "--steps", "6", "--seed", "2"]
     straight = torchrun(common + ["--metrics", str(tmp_path / "a.jsonl")], nproc=2)
     assert straight.returncode == 0, straight.stderr[-3000:]
 

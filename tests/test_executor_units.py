@@ -3,11 +3,10 @@
 import numpy as np
 import pytest
 import torch
-
-from executor.data import Shard, SyntheticData, TokenFile
-from executor.metrics import Metrics, tensor_bytes, track_cpu_allocations, warmup_steps
-from executor.train import TrainConfig, grad_norm_sq, local_grads, lr_multiplier
-from planner.errors import InputError
+from meshplan.executor.data import Shard, SyntheticData, TokenFile
+from meshplan.executor.metrics import Metrics, tensor_bytes, track_cpu_allocations, warmup_steps
+from meshplan.executor.train import TrainConfig, grad_norm_sq, local_grads, lr_multiplier
+from meshplan.planner.errors import InputError
 
 
 def test_synthetic_stream_is_deterministic_and_split_by_rows():

@@ -4,10 +4,10 @@ import subprocess
 import sys
 
 import pytest
+from meshplan.planner.cli import main
+from meshplan.planner.export import megatron_layout, to_deepspeed, to_megatron, to_torchtitan, torchtitan_fqns
+from meshplan.planner.plan import save_plan
 
-from planner.cli import main
-from planner.export import megatron_layout, to_deepspeed, to_megatron, to_torchtitan, torchtitan_fqns
-from planner.plan import save_plan
 from tests.helpers import make_plan
 from tests.test_show import PLANS, ROOT, check_golden
 
@@ -110,7 +110,7 @@ def test_export_cli(tmp_path):
     path = tmp_path / "plan.json"
     save_plan(PLANS["zero_bubble"](), str(path))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "planner", "export", str(path), "--format", "torchtitan"],
+    proc = subprocess.run([sys.executable, "-m", "meshplan.planner", "export", str(path), "--format", "torchtitan"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert tomllib.loads(proc.stdout)["parallelism"]["pipeline_parallel_schedule"] == "ZBVZeroBubble"

@@ -4,12 +4,12 @@ import math
 from dataclasses import replace
 
 import pytest
+from meshplan.planner.constraints import Constraints
+from meshplan.planner.cost_model import evaluate
+from meshplan.planner.ilp import PartitionSolver, solve_assignment, solve_counts
+from meshplan.planner.search import Search, candidates
+from meshplan.profiler.presets import preset_profile
 
-from planner.constraints import Constraints
-from planner.cost_model import evaluate
-from planner.ilp import PartitionSolver, solve_assignment, solve_counts
-from planner.search import Search, candidates
-from profiler.presets import preset_profile
 from tests.planner_brute import brute_partition, small_cluster, small_model
 
 

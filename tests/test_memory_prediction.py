@@ -6,13 +6,13 @@ import json
 import math
 
 import pytest
+from meshplan.executor.cli import main as executor_main
+from meshplan.planner.cli import main as plan_main
+from meshplan.planner.cost_model import Candidate, Links, build_problem, evaluate
+from meshplan.planner.model_sources import from_hf_config
+from meshplan.planner.plan import load_plan, save_plan
+from meshplan.profiler.profile import load_profile
 
-from executor.cli import main as executor_main
-from planner.cli import main as plan_main
-from planner.cost_model import Candidate, Links, build_problem, evaluate
-from planner.model_sources import from_hf_config
-from planner.plan import load_plan, save_plan
-from profiler.profile import load_profile
 from tests.executor_worker import free_port
 from tests.helpers import make_plan
 

@@ -1,10 +1,9 @@
 import json
 
 import pytest
-
-from planner.errors import InputError
-from planner.model_sources import BUILTIN_MODELS, builtin_model, from_hf_config, resolve_model
-from planner.model_spec import ModelSpec
+from meshplan.planner.errors import InputError
+from meshplan.planner.model_sources import BUILTIN_MODELS, builtin_model, from_hf_config, resolve_model
+from meshplan.planner.model_spec import ModelSpec
 
 # Reference counts: Hugging Face `num_parameters()` of the published checkpoints (tied embeddings once).
 EXPECTED_PARAMS = {

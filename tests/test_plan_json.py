@@ -1,9 +1,9 @@
 import json
 
 import pytest
+from meshplan.planner.errors import InputError
+from meshplan.planner.plan import Plan, load_plan, save_plan
 
-from planner.errors import InputError
-from planner.plan import Plan, load_plan, save_plan
 from tests.helpers import make_plan
 
 
@@ -69,7 +69,7 @@ def test_load_plan_bad_files(tmp_path):
 
 
 def test_placement_round_trip_and_validation(tmp_path):
-    from planner.plan import Placement
+    from meshplan.planner.plan import Placement
 
     plan = make_plan(pp=2, dp=2)
     plan.placement = Placement(["dp", "pp", "tp"], [[[0], [2]], [[1], [3]]])

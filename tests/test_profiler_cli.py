@@ -8,14 +8,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-
-from planner.cli import main as plan_main
-from planner.cluster_spec import parse_cluster
-from planner.model_sources import builtin_model
-from profiler.cache import cache_key, cache_path, load_cached, store
-from profiler.measure import default_config, measure_profile
-from profiler.profile import SCHEMA_VERSION, Profile, load_profile, save_profile
-from profiler.source import AUTO_PROFILE_ENV, profile_for
+from meshplan.planner.cli import main as plan_main
+from meshplan.planner.cluster_spec import parse_cluster
+from meshplan.planner.model_sources import builtin_model
+from meshplan.profiler.cache import cache_key, cache_path, load_cached, store
+from meshplan.profiler.measure import default_config, measure_profile
+from meshplan.profiler.profile import SCHEMA_VERSION, Profile, load_profile, save_profile
+from meshplan.profiler.source import AUTO_PROFILE_ENV, profile_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,7 +35,7 @@ def measured_1cpu() -> Profile:
 
 def run_plan(*argv: str, cache: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT, MESHPLAN_CACHE=cache)
-    return subprocess.run([sys.executable, "-m", "planner", *argv], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "meshplan.planner", *argv], capture_output=True, text=True, env=env,
                           timeout=300)
 
 
@@ -192,9 +191,9 @@ def test_preset_efficiency_is_user_overridable(tmp_path):
 def test_cached_profile_used_only_when_it_covers_the_request():
     from types import SimpleNamespace
 
-    from planner.model_spec import wrapped_unit_params as unit_params
-    from profiler.cli import covers
-    from profiler.profile import ChainSample, ComputeSample, PipelineSample, WrapperSample
+    from meshplan.planner.model_spec import wrapped_unit_params as unit_params
+    from meshplan.profiler.cli import covers
+    from meshplan.profiler.profile import ChainSample, ComputeSample, PipelineSample, WrapperSample
 
     model = replace(builtin_model("tiny"), tied_embeddings=True, layers=())
     engine = WrapperSample("replicate", 2, 1, 64, unit_params(model, 2), 0.001, 0.01, 1.0)

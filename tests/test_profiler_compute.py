@@ -2,13 +2,12 @@
 
 import pytest
 import torch
-
-from planner.model_sources import builtin_model
-from planner.model_spec import ModelSpec
-from profiler.compute import TimingConfig, grid, measure_sample, median, quantile, spread, time_passes, typical
-from profiler.layers import build_case, forward, shard_spec, tp_degrees
-from profiler.measure import chain_round_positions
-from profiler.wrappers import chain_pass_times, measure_chains
+from meshplan.planner.model_sources import builtin_model
+from meshplan.planner.model_spec import ModelSpec
+from meshplan.profiler.compute import TimingConfig, grid, measure_sample, median, quantile, spread, time_passes, typical
+from meshplan.profiler.layers import build_case, forward, shard_spec, tp_degrees
+from meshplan.profiler.measure import chain_round_positions
+from meshplan.profiler.wrappers import chain_pass_times, measure_chains
 
 CPU = torch.device("cpu")
 # Big enough that the matmuls, not Python overhead, dominate; small enough for ~1 s per test on one core.
@@ -95,8 +94,8 @@ def test_wrapped_units_count_the_cut_models_parameters(tied):
     the parameters the cut model really has (a tied head's weight is the embedding's, counted once)."""
     from dataclasses import replace
 
-    from planner.model_spec import wrapped_unit_params as unit_params
-    from profiler.wrappers import _model
+    from meshplan.planner.model_spec import wrapped_unit_params as unit_params
+    from meshplan.profiler.wrappers import _model
 
     spec = replace(builtin_model("tiny"), tied_embeddings=tied, layers=())
     model = _model(spec, 2, torch.device("cpu"), "fp32")
@@ -109,9 +108,8 @@ def test_recompute_passes_run_the_executors_checkpoints():
     """The profiler's full recompute is the executor's checkpoint wrapper (only the block input is kept,
     so nothing of the block's internals is saved outside it); selective checkpoints the attention core
     through the executor's own switch, which is off again afterwards."""
+    from meshplan.profiler.memory import saved_bytes
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-    from profiler.memory import saved_bytes
 
     case = build_case(builtin_model("tiny"), "block", 2, 16, 1, "fp32", CPU)
     x = case.make_input()
@@ -128,9 +126,9 @@ def test_recompute_passes_run_the_executors_checkpoints():
 def test_recompute_time_counts_the_checkpointed_forward():
     """Extra time of a recomputed block = the backward's extra (the forward again) + the checkpointed
     forward's extra over the plain one; a profile without the latter (older) counts the backward's only."""
-    from planner.cluster_spec import parse_cluster
-    from profiler.presets import preset_profile
-    from profiler.profile import ComputeSample
+    from meshplan.planner.cluster_spec import parse_cluster
+    from meshplan.profiler.presets import preset_profile
+    from meshplan.profiler.profile import ComputeSample
 
     spec = builtin_model("tiny")
     profile = preset_profile(spec, parse_cluster("1xcpu"), "fp32")
@@ -165,7 +163,7 @@ def test_cpu_profiles_spread_the_chain_rounds_over_the_compute_grid():
 
 
 def test_hook_cost_from_cpu_time_where_the_hooks_only_compute():
-    from profiler.wrappers import _hook_seconds
+    from meshplan.profiler.wrappers import _hook_seconds
 
     # 4 ranks on 2 cores: the bare pass got half a core (wall 8 ms, CPU 4 ms); the wrapped pass's CPU
     # time says 3 units added 1.5 CPU-ms, whatever its wall time swung to

@@ -6,9 +6,9 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from meshplan.profiler.links import LinkTiming, fit_link, fit_relative, fit_timings, message_sizes, time_ops
+from meshplan.profiler.profile import LINK_OPS, LinkFit, collective_factors
 
-from profiler.links import LinkTiming, fit_link, fit_relative, fit_timings, message_sizes, time_ops
-from profiler.profile import LINK_OPS, LinkFit, collective_factors
 from tests.executor_worker import free_port, spawn_ranks
 
 
@@ -79,8 +79,8 @@ def test_gloo_collectives_on_two_processes(tmp_path):
 
 
 def _mean_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    from profiler.measure import _mean_over_ranks
-    from profiler.profile import ChainSample, ComputeSample
+    from meshplan.profiler.measure import _mean_over_ranks
+    from meshplan.profiler.profile import ChainSample, ComputeSample
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

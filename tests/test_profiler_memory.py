@@ -7,15 +7,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from meshplan.planner.model_sources import builtin_model
+from meshplan.planner.model_spec import ModelSpec, block_params
+from meshplan.profiler.analytic import DTYPE_BYTES, layer_activation_bytes
+from meshplan.profiler.layers import build_tp_case
+from meshplan.profiler.memory import measure_activations, measure_state, saved_bytes
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from planner.model_sources import builtin_model
-from planner.model_spec import ModelSpec, block_params
-from profiler.analytic import DTYPE_BYTES, layer_activation_bytes
-from profiler.layers import build_tp_case
-from profiler.memory import measure_activations, measure_state, saved_bytes
 from tests.executor_worker import free_port, spawn_ranks
 
 CPU = torch.device("cpu")

@@ -1,8 +1,8 @@
 import itertools
 
 import pytest
+from meshplan.planner.schedule import StageTimes, plan_timeline, rank_actions, simulate
 
-from planner.schedule import StageTimes, plan_timeline, rank_actions, simulate
 from tests.helpers import make_plan
 
 CASES = [(name, pp, v, m)
@@ -94,7 +94,7 @@ def test_events_respect_dependencies_and_never_overlap_on_a_rank(name, pp, v, m)
             end[e.stage, e.kind, e.micro_batch] = e.end
     start = {(e.stage, e.kind, e.micro_batch): e.start for e in t.events}
     bwd = "backward_input" if name == "zero-bubble" else "backward"
-    from planner.plan import stage_rank
+    from meshplan.planner.plan import stage_rank
 
     def hop(a, b):
         return comm if stage_rank(a, pp, name, v) != stage_rank(b, pp, name, v) else 0.0

@@ -4,16 +4,16 @@ import json
 import math
 
 import pytest
+from meshplan.planner.cli import main
+from meshplan.planner.constraints import Constraints
+from meshplan.planner.cost_model import evaluate, lower_bound, memory_lower_bound
+from meshplan.planner.errors import InfeasibleError
+from meshplan.planner.model_sources import builtin_model
+from meshplan.planner.placement import Placer, allowed_cuts, model_graph
+from meshplan.planner.plan import Plan
+from meshplan.planner.search import Search, candidates, find_plan
+from meshplan.profiler.presets import preset_profile
 
-from planner.cli import main
-from planner.constraints import Constraints
-from planner.cost_model import evaluate, lower_bound, memory_lower_bound
-from planner.errors import InfeasibleError
-from planner.model_sources import builtin_model
-from planner.placement import Placer, allowed_cuts, model_graph
-from planner.plan import Plan
-from planner.search import Search, candidates, find_plan
-from profiler.presets import preset_profile
 from tests.planner_brute import brute_search, small_cluster, small_model
 
 
@@ -151,7 +151,7 @@ def test_cli_human_output(capsys):
 
 
 def test_progress_appears_only_after_a_second():
-    from planner.cli import DelayedProgress
+    from meshplan.planner.cli import DelayedProgress
 
     now = [0.0]
     progress = DelayedProgress("searching", delay_s=1.0)
@@ -177,12 +177,13 @@ def test_every_emittable_candidate_is_one_the_executor_runs():
     dividing the MLP or the sequence)."""
     from dataclasses import replace as _replace
 
-    from executor.checks import check_supported
-    from planner.cluster_spec import parse_cluster
-    from planner.constraints import Constraints
-    from planner.model_sources import builtin_model
-    from planner.placement import Placer
-    from planner.search import candidates
+    from meshplan.executor.checks import check_supported
+    from meshplan.planner.cluster_spec import parse_cluster
+    from meshplan.planner.constraints import Constraints
+    from meshplan.planner.model_sources import builtin_model
+    from meshplan.planner.placement import Placer
+    from meshplan.planner.search import candidates
+
     from tests.helpers import make_plan
 
     model, cluster = builtin_model("tiny"), parse_cluster("4xcpu")

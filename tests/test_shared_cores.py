@@ -1,14 +1,13 @@
 """Processor sharing: CPU ranks that outnumber the cores run faster while others idle in the bubble."""
 
 import pytest
-
-from planner.cluster_spec import parse_cluster
-from planner.constraints import Constraints
-from planner.model_sources import builtin_model
-from planner.schedule import StageTimes, simulate
-from planner.search import find_plan
-from planner.shared_cores import relative_rate
-from profiler.presets import preset_profile
+from meshplan.planner.cluster_spec import parse_cluster
+from meshplan.planner.constraints import Constraints
+from meshplan.planner.model_sources import builtin_model
+from meshplan.planner.schedule import StageTimes, simulate
+from meshplan.planner.search import find_plan
+from meshplan.planner.shared_cores import relative_rate
+from meshplan.profiler.presets import preset_profile
 
 
 def _profile(cores: int, ranks: int = 4, device: str = "cpu"):
@@ -65,7 +64,7 @@ def test_choice_is_the_fastest_shared_prediction():
 def test_pruning_keeps_the_best_shared_prediction():
     """The lower bounds, divided by the largest sharing speed-up a candidate can get, still prune only
     candidates that cannot win: the best equals that of solving every candidate."""
-    from planner.search import Search
+    from meshplan.planner.search import Search
 
     model, cluster = builtin_model("tiny"), parse_cluster("4xcpu")
     constraints = Constraints(global_batch_size=16, seq_len=64, dtype="fp32", top_k=0, zero=0, recompute="none")
@@ -77,7 +76,7 @@ def test_pruning_keeps_the_best_shared_prediction():
 
 def _with_pipeline_costs(profile, gpipe: float = 1e-3, steady: float = 3.3e-3):
     """In-situ pipeline figures as tiny's 4-rank profile measured them (GPipe 0.97 ms, 1F1B 3.3 ms at b=1)."""
-    from profiler.profile import PipelineSample
+    from meshplan.profiler.profile import PipelineSample
 
     overheads = {"gpipe": gpipe, "1f1b": steady, "interleaved-1f1b": 2e-3, "zero-bubble": 2.4e-3}
     profile.pipeline_overheads = dict(overheads)
@@ -98,7 +97,7 @@ def test_overhead_keeps_its_measured_time_on_shared_cores():
 
 
 def test_one_f_one_b_round_trip_waits_on_the_hops():
-    from planner.cost_model import pipeline_busy_wait
+    from meshplan.planner.cost_model import pipeline_busy_wait
 
     profile = _with_pipeline_costs(_profile(cores=2))
     busy, wait = pipeline_busy_wait(profile, "1f1b")
@@ -114,8 +113,8 @@ SLOW = 0.1  # a 1F1B figure far above twice GPipe's, most of it a wait on the ho
 def test_shared_pruning_stays_sound_with_pipeline_costs():
     """Pipeline costs that the simulation does not speed up, and 1F1B's wait moved onto the hops, keep
     bound / speedup below every solved candidate's prediction, and the quick bounds equal the per-layer ones."""
-    from planner.cost_model import lower_bound
-    from planner.search import Search, candidates
+    from meshplan.planner.cost_model import lower_bound
+    from meshplan.planner.search import Search, candidates
 
     model, cluster = builtin_model("tiny"), parse_cluster("4xcpu")
     constraints = Constraints(global_batch_size=16, seq_len=64, dtype="fp32", top_k=0, zero=0, recompute="none")

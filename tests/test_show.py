@@ -5,10 +5,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from meshplan.planner.cli import main
+from meshplan.planner.plan import Alternative, Plan, Predicted, load_plan, save_plan
+from meshplan.planner.show import layer_span, render
 
-from planner.cli import main
-from planner.plan import Alternative, Plan, Predicted, load_plan, save_plan
-from planner.show import layer_span, render
 from tests.helpers import make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,8 +128,8 @@ def test_show_as_a_subprocess(tmp_path):
     plan_path = tmp_path / "plan.json"
     save_plan(zero_bubble_plan(), str(plan_path))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"}
-    proc = subprocess.run([sys.executable, "-m", "planner", "show", str(plan_path)], capture_output=True, text=True,
-                          env=env, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "meshplan.planner", "show", str(plan_path)], capture_output=True,
+                          text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "rank 3 (stage 3,4)" in proc.stdout  # ZBV: rank 3 holds the two middle stages of the V
     assert "mesh [pp, dp, tp] = [4, 4, 1]" in proc.stdout  # printed as text, not rich markup
@@ -152,7 +152,7 @@ def test_show_bad_input_is_one_line(argv, message, tmp_path, capsys):
 
 
 def test_pareto_front_and_png(tmp_path):
-    from planner.pareto import pareto_front, write_pareto
+    from meshplan.planner.pareto import pareto_front, write_pareto
 
     cands = [(1.0, 50 * GIB, "a"), (1.2, 40 * GIB, "b"), (1.1, 60 * GIB, "c"), (2.0, 30 * GIB, "d"),
              (2.5, 35 * GIB, "e")]
