@@ -23,7 +23,7 @@ import math
 from dataclasses import replace
 
 import pulp
-from meshplan.planner.cost_model import StageProblem, evaluate, min_recomputed_blocks, rank_of_stages
+from meshplan.planner.cost_model import Evaluation, StageProblem, evaluate, min_recomputed_blocks, rank_of_stages
 
 GiB = float(1 << 30)
 MS = 1e3  # times are scaled to milliseconds, bytes to GiB, to keep the solver's tolerances meaningful
@@ -103,12 +103,15 @@ def _solved(prob: pulp.LpProblem, status: int) -> bool:
 
 
 class Solution:
-    """A partition (stage s = layers [bounds[s], bounds[s+1])) with per-stage recomputed blocks."""
+    """A partition (stage s = layers [bounds[s], bounds[s+1])) with per-stage recomputed blocks;
+    `evaluation`, when known, is `evaluate` of it on the problem it was solved for (the search reuses it)."""
 
-    def __init__(self, bounds: list[int], recompute: list[int], objective: float):
+    def __init__(self, bounds: list[int], recompute: list[int], objective: float,
+                 evaluation: Evaluation | None = None):
         self.bounds = bounds
         self.recompute = recompute
         self.objective = objective
+        self.evaluation = evaluation
 
     def __repr__(self) -> str:
         return f"Solution(bounds={self.bounds}, recompute={self.recompute}, objective={self.objective:.6g})"
@@ -119,8 +122,10 @@ def _finish(problem: StageProblem, bounds: list[int], recompute: list[int]) -> S
     if not ev.feasible:
         return None
     if problem.recompute == "free":
-        recompute = _trim_recompute(problem, bounds, recompute, ev.iteration_time)
-    return Solution(bounds, recompute, ev.iteration_time)
+        trimmed = _trim_recompute(problem, bounds, recompute, ev.iteration_time)
+        if trimmed != recompute:
+            recompute, ev = trimmed, evaluate(problem, bounds, trimmed)
+    return Solution(bounds, recompute, ev.iteration_time, ev)
 
 
 def _trim_recompute(P: StageProblem, bounds: list[int], recompute: list[int], objective: float) -> list[int]:
@@ -314,8 +319,8 @@ def _result(P: StageProblem, bounds: list[int], recompute: list[int], min_memory
 class PartitionSolver:
     """Solves stage problems with two caches: identical problems (many outer candidates share one), and
     the memory-free optimum per objective — if it fits a problem's memory it is that problem's optimum too
-    (a relaxation's optimum that is feasible is optimal), so ZeRO levels or margins with the same times
-    cost one solve."""
+    (a relaxation's optimum that is feasible is optimal), so ZeRO levels or margins with the same times,
+    and a free-recompute candidate and its no-recompute sibling (`_memory_free`), cost one solve."""
 
     def __init__(self, solver: str | None = None, force_assignment: bool = False):
         self.solver = solver or solver_name()
@@ -336,7 +341,8 @@ class PartitionSolver:
         if key in self.cache:
             self.hits += 1
             return self.cache[key]
-        tkey = _time_key(P)
+        relaxed = _memory_free(P)
+        tkey = _time_key(relaxed)
         first = self.seen.setdefault(tkey, 0) == 0
         self.seen[tkey] += 1
         if tkey not in self.free and (first or min_recomputed_blocks(P) > 0):
@@ -346,11 +352,12 @@ class PartitionSolver:
             self.cache[key] = sol
             return sol
         if tkey not in self.free:
-            self.free[tkey] = self._solve(replace(P, mem_limit=math.inf))
+            self.free[tkey] = self._solve(relaxed)
         free = self.free[tkey]
-        if free is not None and evaluate(P, free.bounds, free.recompute).feasible:
+        ev = evaluate(P, free.bounds, free.recompute) if free is not None else None
+        if ev is not None and ev.feasible:  # P's own evaluation: the time key leaves out constant terms
             self.hits += 1
-            sol = free
+            sol = Solution(free.bounds, free.recompute, ev.iteration_time, ev)
         else:
             sol = self._solve(P)
         self.cache[key] = sol
@@ -359,6 +366,15 @@ class PartitionSolver:
     def min_memory(self, P: StageProblem) -> Solution | None:
         """The partition with the least memory over the limit (for the exit-3 message)."""
         return self._solve(P, min_memory=True)
+
+
+def _memory_free(P: StageProblem) -> StageProblem:
+    """P without its memory limit. With free recompute counts that is P without recompute: a recomputed
+    block only adds time (rec_time ≥ 0), so the optimum recomputes nothing. A candidate and its free-
+    recompute sibling then share one relaxation: where it fits, both have its optimum and plan."""
+    if P.recompute == "free" and P.rec_time >= 0:
+        P = replace(P, recompute="none", rec_time=0.0, rec_saving=0.0, rec_tp=0.0)
+    return replace(P, mem_limit=math.inf)
 
 
 def _time_key(P: StageProblem) -> tuple:

@@ -2,18 +2,23 @@
 
 Outer space: tp (divides heads, kv heads and a node), pp, dp = world/(tp·pp), micro-batch size b
 (m = global/(dp·b)), schedule and virtual stages, ZeRO level, recompute mode and mesh placement. Every
-candidate gets a lower bound on its iteration time (planner/cost_model.py `lower_bound`) and a memory
-lower bound; candidates are solved in order of their bound and the search stops once the bound reaches
-the k-th best solved plan — so the result is the optimum over the whole space under the cost model
-(tests/test_search.py checks it against brute force), while only a few ILPs are solved.
+candidate gets a memory lower bound and a lower bound on the time the search reports for it: the ILP's
+closed form (planner/cost_model.py `lower_bound`) without a pipeline, else the plan's schedule simulated
+from its stage times (planner/shared_cores.py). Candidates are solved in order of that bound, and the
+search stops once it passes the k-th best distinct plan's reported time: the ranking is the one solving
+every candidate would give (tests/test_search.py checks it, and each candidate's ILP optimum, against
+brute force), while only a few ILPs are solved and only plans that can still enter the ranking are
+simulated.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from meshplan.planner.cluster_spec import ClusterSpec
 from meshplan.planner.constraints import Constraints
@@ -58,12 +63,16 @@ from meshplan.planner.plan import (
     stage_rank,
 )
 from meshplan.planner.report import human_bytes
-from meshplan.planner.shared_cores import relative_rate, shared_iteration_time
+from meshplan.planner.shared_cores import (
+    evaluation_lower_bound,
+    makespan_lower_bound,
+    relative_rate,
+    shared_iteration_time,
+)
 
 Progress = Callable[[int, int], None]
 MAX_VIRTUAL_STAGES = 8
-RESCORE_WITHIN = 1.2  # closed-form candidates this close to the best get their schedules simulated
-RESCORE_MAX = 24
+TOLERANCE = 1 + 1e-12  # a bound this close to a solved time may still tie it (ties go to the earlier candidate)
 
 
 @dataclass
@@ -133,12 +142,56 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints,
                             continue  # the executor refuses it: FSDP2 resharding breaks the split backward
                         if c.recompute is not None:
                             modes = [(c.recompute, c.recompute != "none")]
-                        else:
-                            modes = [("none", False), ("selective", False), ("full", False)]
+                        else:  # the ILP counts full recompute per stage; the executor's selective is all blocks
+                            modes = [("none", False), ("selective", True), ("full", False)]
                         for mode, pinned in modes:
                             for order in placer.orders(pp, dp, tp):
                                 yield Candidate(dp=dp, tp=tp, pp=pp, v=v, schedule=schedule, b=b, m=m, zero=zero,
                                                 recompute=mode, recompute_pinned=pinned, order=order)
+
+
+class _Bounds(NamedTuple):
+    """A candidate's bounds before any ILP: `closed` on the ILP's objective (cost_model.lower_bound),
+    `ratio` its memory lower bound over the limit, and the pieces of the closed form the reported-time
+    bound reuses (work per micro-batch over all ranks, the longest layer, the tail's bound)."""
+
+    closed: float
+    ratio: float
+    work: float
+    longest: float
+    tail: float
+    bubble: float
+    room: list[float]  # bytes per rank left for blocks (memory_lower_bound's)
+    block_state: float  # least state bytes of a block, as memory_lower_bound counts it
+
+
+class _Board:
+    """The solved plans, one per distinct plan (what `to_plan` lists: parallel config and placement;
+    a free-recompute candidate that recomputes nothing is its no-recompute sibling's plan), best reported
+    time first; `kth` is the keep-th best reported time (inf while fewer)."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.plans: dict[tuple, Scored] = {}
+        self.others: list[Scored] = []  # duplicates, and plans left unsimulated (closed-form time)
+        self.kth = math.inf
+
+    def add(self, key: tuple, scored: Scored, ranked: bool) -> None:
+        old = self.plans.get(key)
+        if not ranked or (old is not None and (old.time, old.index) <= (scored.time, scored.index)):
+            self.others.append(scored)
+            return
+        if old is not None:
+            self.others.append(old)
+        self.plans[key] = scored
+        if len(self.plans) >= self.keep:
+            self.kth = sorted(r.time for r in self.plans.values())[self.keep - 1]
+
+    def results(self) -> list[Scored]:
+        """The ranked plans, then the others (these are never better than the keep-th ranked one)."""
+        def order(r: Scored) -> tuple[float, int]:
+            return r.time, r.index
+        return sorted(self.plans.values(), key=order) + sorted(self.others, key=order)
 
 
 class Search:
@@ -155,12 +208,12 @@ class Search:
         self.partition = PartitionSolver(solver, force_assignment)
         self.considered = 0
         self.feasible = 0
-        self.memory_pruned: list[tuple[float, int, Candidate]] = []
-        # (time lower bound, memory lower bound, candidate) of everything considered, for `--pareto`.
+        # (demand or None until exit 3 needs it, index, candidate) of candidates that cannot fit
+        self.memory_pruned: list[tuple[float | None, int, Candidate]] = []
+        # (reported-time lower bound, memory lower bound, candidate) of everything considered, for `--pareto`.
         self.bounds_seen: list[tuple[float, float, Candidate]] = []
         self.quick = _Quick(model)
         self.rate = relative_rate(profile)  # None unless CPU ranks outnumbered the cores when profiled
-        self.max_speedup = max(1.0, self.rate(1)) * cluster.world_size if self.rate is not None else 1.0
 
     def problem(self, cand: Candidate) -> StageProblem:
         links = self.placer.links(cand.pp, cand.dp, cand.tp, cand.order)
@@ -170,22 +223,34 @@ class Search:
     def bounds(self, cand: Candidate) -> tuple[float, float]:
         """(lower_bound, memory_lower_bound) of the candidate's problem, from per-kind sums without
         building it (thousands of candidates; tests check it equals the per-layer computation)."""
+        parts = self._bounds(cand)
+        return parts.closed, parts.ratio
+
+    def reported_bound(self, cand: Candidate) -> float:
+        """A lower bound on the time the search reports for any plan of the candidate (`iteration_time`)."""
+        return self._reported(cand, self._bounds(cand))
+
+    def _reported(self, cand: Candidate, parts: _Bounds) -> float:
+        """The reported time is the closed form without a pipeline; on shared cores at least the closed
+        form's bound over `speedup`; else the simulated makespan's bound (shared_cores.makespan_lower_bound)
+        plus the tail's."""
+        if cand.pp == 1:
+            return parts.closed
+        if self.rate is not None:
+            return parts.closed / self.speedup(cand)
+        span = makespan_lower_bound(cand.schedule, cand.pp, cand.v, cand.m, parts.work, parts.longest)
+        return span + parts.tail
+
+    def _bounds(self, cand: Candidate) -> _Bounds:
         q = self.quick
         links = self.placer.links(cand.pp, cand.dp, cand.tp, cand.order)
         b, tp, S, pp = cand.b, cand.tp, cand.num_stages, cand.pp
-        rows = {k: self.terms.kind(k, b, tp, cand.schedule) for k in q.counts}
-        fsum = sum(n * rows[k][0] for k, n in q.counts.items())
-        gsum = sum(n * rows[k][1] for k, n in q.counts.items())
-        tsum = sum(n * (rows[k][0] + rows[k][1] + rows[k][2]) for k, n in q.counts.items())
-        tmax = max(rows[k][0] + rows[k][1] + rows[k][2] for k in q.counts)
+        sums = self._kind_sums(b, tp, cand.schedule)
+        fsum, gsum, tsum, tmax = sums["f"], sums["g"], sums["t"], sums["tmax"]
+        rows = sums["rows"]
         agg = self._layer_sums(tp, cand.dp, cand.zero, links.dp, grad_sync(cand))
         rank = self._ranks(pp, cand.schedule, cand.v)
-        hop = self.terms.hop(b, tp, links.pp) if pp > 1 else 0.0
-        pipe = 0.0
-        for k in range(S):  # build_problem's boundary less its relief, as cost_model.lower_bound sums it
-            t, relief, _ = pipeline_stage_split(self.profile, hop, crossings(rank, k), cand.schedule,
-                                                unfused_share(cand.schedule, pp, cand.m, rank[k]), b)
-            pipe += t - relief
+        pipe = self._pipeline(cand, links.pp, rank)[0]
         unhidden = unhidden_share(self.profile, cand.dp, cand.zero, q.num_layers, S)
         z3 = max(agg["gather"] - fsum - gsum, unhidden * agg["gather"]) if agg["gather"] > 0 else 0.0
         work = tsum + pipe + z3 + S * root_hook_time(self.profile, cand.dp, cand.zero)
@@ -219,7 +284,68 @@ class Search:
         tau = max(work / pp, tmax)
         tail = (agg["opt"] + max(agg["dp"] - gsum, unhidden * agg["dp"])) / pp + \
             step_sync_time(self.profile, cand.dp * tp * pp, links)
-        return (cand.m + bubble) * tau + tail, ratio
+        return _Bounds((cand.m + bubble) * tau + tail, ratio, work, tmax, tail, bubble, left, block_state)
+
+    def _kind_sums(self, b: int, tp: int, schedule: str) -> dict:
+        """Per-kind rows (Terms.kind) and their sums over the model's layers."""
+        key = ("kind sums", b, tp, schedule == "zero-bubble")
+        if key not in self.terms.memo:
+            counts = self.quick.counts
+            rows = {k: self.terms.kind(k, b, tp, schedule) for k in counts}
+            self.terms.memo[key] = dict(
+                rows=rows, f=sum(n * rows[k][0] for k, n in counts.items()),
+                g=sum(n * rows[k][1] for k, n in counts.items()),
+                t=sum(n * (rows[k][0] + rows[k][1] + rows[k][2]) for k, n in counts.items()),
+                tmax=max(rows[k][0] + rows[k][1] + rows[k][2] for k in counts))
+        return self.terms.memo[key]
+
+    def _pipeline(self, cand: Candidate, link: str, rank: list[int]) -> tuple[float, list[float]]:
+        """build_problem's boundaries less their relief, summed over the stages (cost_model.lower_bound)
+        and per rank; the same for every candidate of this shape (m matters only through 1F1B's unfused
+        share)."""
+        pp, b, tp, schedule = cand.pp, cand.b, cand.tp, cand.schedule
+        key = ("pipe", pp, cand.v, schedule, b, tp, link, cand.m if schedule == "1f1b" else 0)
+        if key not in self.terms.memo:
+            hop = self.terms.hop(b, tp, link) if pp > 1 else 0.0
+            pipe, per_rank = 0.0, [0.0] * pp
+            for k in range(cand.num_stages):
+                t, relief, _ = pipeline_stage_split(self.profile, hop, crossings(rank, k), schedule,
+                                                    unfused_share(schedule, pp, cand.m, rank[k]), b)
+                pipe += t - relief
+                per_rank[rank[k]] += t - relief
+            self.terms.memo[key] = pipe, per_rank
+        return self.terms.memo[key]
+
+    def refined_bound(self, cand: Candidate) -> float:
+        """A sharper lower bound on the reported time, for candidates about to be solved: the busiest
+        rank over whole blocks, each rank holding only what fits its memory (`least_bottleneck`). The
+        closed form's τ_max and the simulation's m micro-batches on the busiest rank are at least it."""
+        parts = self._bounds(cand)
+        q, pp = self.quick, cand.pp
+        blocks = q.counts.get("block", 0)
+        if not blocks:
+            return self._reported(cand, parts)
+        links = self.placer.links(pp, cand.dp, cand.tp, cand.order)
+        rows = self._kind_sums(cand.b, cand.tp, cand.schedule)["rows"]
+        rank = self._ranks(pp, cand.schedule, cand.v)
+        fixed = list(self._pipeline(cand, links.pp, rank)[1])
+        root = root_hook_time(self.profile, cand.dp, cand.zero)
+        for k in rank:
+            fixed[k] += root
+        for i, _, kind in self._layer_sums(cand.tp, cand.dp, cand.zero, links.dp, grad_sync(cand))["ends"]:
+            fixed[rank[0] if i < q.first_block else rank[-1]] += sum(rows[kind][:3])
+        rec_time, rec_saving, _ = self.terms.recompute(cand.b, cand.tp, cand.recompute)
+        mode = "none" if cand.recompute == "none" else ("all" if cand.recompute_pinned else "free")
+        inflight = self._inflight(cand.schedule, pp, cand.v, cand.m)
+        act = rows["block"][3]
+        slack = self.mem_limit * 1e-9  # evaluate's feasibility tolerance
+        tau = least_bottleneck(blocks, sum(rows["block"][:3]), fixed, [x + slack for x in parts.room],
+                               [parts.block_state + k * act for k in inflight], [k * rec_saving for k in inflight],
+                               rec_time, mode)
+        if pp == 1 or self.rate is not None:
+            closed = max(parts.closed, (cand.m + parts.bubble) * tau + parts.tail)
+            return closed / self.speedup(cand)
+        return max(self._reported(cand, parts), cand.m * tau + parts.tail)
 
     def demand(self, cand: Candidate) -> float:
         """Average memory a rank needs at best (maximum recompute, perfect balance) over the usable
@@ -259,61 +385,59 @@ class Search:
         return self.terms.memo[key]
 
     def run(self, keep: int, progress: Progress | None = None) -> list[Scored]:
-        bounded: list[tuple[float, int, Candidate]] = []
-        for index, cand in enumerate(candidates(self.model, self.cluster, self.c, self.placer)):
-            self.considered += 1
-            bound, ratio = self.bounds(cand)
-            self.bounds_seen.append((bound, ratio * self.mem_limit, cand))
-            if ratio > 1.0:
-                self.memory_pruned.append((self.demand(cand), index, cand))
-                continue
-            bounded.append((bound, index, cand))
-        bounded.sort(key=lambda item: (item[0], item[1]))
-        results: list[Scored] = []
-        solved_none: dict[Candidate, bool] = {}
-        for done, (bound, index, cand) in enumerate(bounded):
+        """The `keep` best distinct plans by reported time, as solving every candidate would rank them
+        (ties to the earlier candidate), then the other solved candidates (these may carry their
+        closed-form time)."""
+        queue = self._queue()
+        board = _Board(keep)
+        for done, (reported, index, cand) in enumerate(queue):
             if progress is not None:
-                progress(done, len(bounded))
-            if len(results) >= keep:
-                limit = results[keep - 1].time * (1 + 1e-12)
-                if bound > limit * self.max_speedup:
-                    break  # sorted bounds: no later candidate can do better
-                if bound > limit * self.speedup(cand):
-                    continue
+                progress(done, len(queue))
+            if reported > board.kth * TOLERANCE:
+                break  # sorted bounds: no later candidate can enter the ranking
+            if board.kth < math.inf and self.refined_bound(cand) > board.kth * TOLERANCE:
+                continue
             problem = self.problem(cand)
-            if cand.recompute != "none" and not cand.recompute_pinned:
-                # With free recompute counts the optimum is the no-recompute one whenever that fits.
-                sibling = _replace(cand, recompute="none")
-                if sibling not in solved_none:
-                    solved_none[sibling] = self.partition.solve(self.problem(sibling)) is not None
-                if solved_none[sibling]:
-                    continue
             solution = self.partition.solve(problem)
-            if cand.recompute == "none":
-                solved_none[cand] = solution is not None
             if solution is None:
                 self.memory_pruned.append((1.0, index, cand))
                 continue
             self.feasible += 1
-            results.append(Scored(cand, problem, solution, index, self.iteration_time(cand, problem, solution)))
-            results.sort(key=lambda r: (r.time, r.index))
+            scored, ranked = self.score(cand, problem, solution, index, board.kth)
+            board.add(_key(_parallel(self, scored), cand.order), scored, ranked)
         if progress is not None:
-            progress(len(bounded), len(bounded))
-        return self.rescore(results, keep) if self.rate is None else results
+            progress(len(queue), len(queue))
+        return board.results()
 
-    def rescore(self, results: list[Scored], keep: int) -> list[Scored]:
-        """Re-rank the closed form's best by simulating their pipeline schedules (planner/shared_cores.py:
-        the closed form charges every micro-batch the slowest rank's time, which misjudges unequal chunks
-        of interleaved schedules). Simulating costs up to 0.3 s a candidate at pp=16, m=512, so only the
-        `keep` best and those within RESCORE_WITHIN of the best, at most RESCORE_MAX, are simulated; they
-        come first, re-sorted, and the rest follow with their closed-form times."""
-        if not results:
-            return results
-        near = sum(1 for r in results if r.time <= results[0].time * RESCORE_WITHIN)
-        count = min(len(results), max(keep, min(near, RESCORE_MAX)))
-        head = [replace(r, time=self.shared_time(r.cand, evaluate(r.problem, r.solution.bounds, r.solution.recompute)))
-                if r.cand.pp > 1 else r for r in results[:count]]
-        return sorted(head, key=lambda r: (r.time, r.index)) + results[count:]
+    def _queue(self) -> list[tuple[float, int, Candidate]]:
+        """(reported-time bound, index, candidate) of every candidate that may fit, by bound; the others
+        go to `memory_pruned` (their demand is computed only for exit 3)."""
+        queue = []
+        for index, cand in enumerate(candidates(self.model, self.cluster, self.c, self.placer)):
+            self.considered += 1
+            parts = self._bounds(cand)
+            reported = self._reported(cand, parts)
+            self.bounds_seen.append((reported, parts.ratio * self.mem_limit, cand))
+            if parts.ratio > 1.0:
+                self.memory_pruned.append((None, index, cand))
+                continue
+            queue.append((reported, index, cand))
+        queue.sort(key=lambda item: (item[0], item[1]))
+        return queue
+
+    def score(self, cand: Candidate, problem: StageProblem, solution: Solution, index: int,
+              limit: float = math.inf) -> tuple[Scored, bool]:
+        """The solved candidate with its reported time, and whether that is what it holds: a pipeline
+        whose simulation cannot come within `limit` (evaluation_lower_bound) is not simulated and keeps
+        its closed-form time; it cannot enter the ranking."""
+        time, ranked = solution.objective, True
+        if cand.pp > 1:
+            ev = solution.evaluation or evaluate(problem, solution.bounds, solution.recompute)
+            quick = evaluation_lower_bound(ev, cand.schedule, cand.pp, cand.v, cand.m) if self.rate is None else 0.0
+            ranked = quick <= limit * TOLERANCE
+            if ranked:
+                time = self.shared_time(cand, ev)
+        return Scored(cand, problem, solution, index, time), ranked
 
     def speedup(self, cand: Candidate) -> float:
         """How much below its `bounds` lower bound a candidate's prediction can fall on shared CPU cores
@@ -325,9 +449,10 @@ class Search:
         return max(1.0, self.rate(cand.dp * cand.tp)) * (cand.m + cand.pp - 1) / cand.m
 
     def iteration_time(self, cand: Candidate, problem: StageProblem, solution: Solution) -> float:
-        """The predicted iteration seconds of a solved candidate: the closed form, or on CPU ranks that
-        outnumber the cores, its pipeline part simulated with processor sharing."""
-        if self.rate is None or cand.pp == 1:
+        """The predicted iteration seconds of a solved candidate, as the search reports it: the closed
+        form without a pipeline, else its pipeline part simulated (with processor sharing on CPU ranks
+        that outnumber the cores)."""
+        if cand.pp == 1:
             return solution.objective
         return self.shared_time(cand, evaluate(problem, solution.bounds, solution.recompute))
 
@@ -340,7 +465,9 @@ class Search:
         least memory over the limit."""
         best = None
         seen = set()
-        for _, _, cand in sorted(self.memory_pruned, key=lambda t: (t[0], t[1])):
+        pruned = [(self.demand(cand) if demand is None else demand, index, cand)
+                  for demand, index, cand in self.memory_pruned]
+        for _, _, cand in sorted(pruned, key=lambda t: (t[0], t[1])):
             if cand.recompute == "none" and not cand.recompute_pinned:
                 cand = _replace(cand, recompute="full")
             if cand in seen:
@@ -353,6 +480,38 @@ class Search:
             if sol is not None and (best is None or sol.objective < best[2].objective):
                 best = (cand, problem, sol)
         return best
+
+
+def least_bottleneck(blocks: int, block_time: float, fixed: list[float], room: list[float], block_bytes: list[float],
+                     saving: list[float], rec_time: float, mode: str) -> float:
+    """Least time per micro-batch of the busiest rank over whole-block partitions (inf: they cannot fit).
+    Rank r holding n blocks takes fixed[r] + n·block_time + ρ·rec_time, ρ the fewest recomputed blocks
+    that fit its memory, n·block_bytes[r] − ρ·saving[r] ≤ room[r] (mode none: ρ = 0; all: ρ = n). Both
+    are lower bounds of the rank's time and memory in `evaluate` (ZeRO-3 gathers and the step's
+    transients left out), so every feasible partition has a rank at least this busy. Each rank's time
+    grows with n, so giving blocks one at a time to the rank whose next block costs least is optimal
+    for the min-max (the result is the blocks-th smallest of the ranks' merged increasing sequences)."""
+    def cost(r: int, n: int) -> float:
+        if mode == "free" and saving[r] > 0:  # rounding can only lower ρ: still a lower bound
+            rec = max(0, math.ceil((n * block_bytes[r] - room[r]) / saving[r] - 1e-9))
+            fits = rec <= n
+        else:
+            rec = n if mode == "all" else 0
+            fits = n * block_bytes[r] - rec * saving[r] <= room[r]
+        return fixed[r] + n * block_time + rec * rec_time if fits else math.inf
+
+    worst = max(fixed)
+    heap = [(cost(r, 1), r) for r in range(len(fixed))]
+    heapq.heapify(heap)
+    held = [0] * len(fixed)
+    for _ in range(blocks):
+        value, r = heapq.heappop(heap)
+        if value == math.inf:
+            return math.inf
+        worst = max(worst, value)
+        held[r] += 1
+        heapq.heappush(heap, (cost(r, held[r] + 1), r))
+    return worst
 
 
 class _Quick:

@@ -43,6 +43,17 @@ def brute_partition(P: StageProblem) -> float | None:
     return best
 
 
+def every_candidate(search: Search):
+    """(candidate, problem, brute-force closed-form optimum, the search's solution, its reported time) of
+    every candidate, each solved on its own: what the search would rank with no pruning at all."""
+    c = search.c
+    for cand in candidates(search.model, search.cluster, c, search.placer):
+        problem = search.problem(cand)
+        solution = search.partition.solve(problem)
+        reported = search.iteration_time(cand, problem, solution) if solution is not None else None
+        yield cand, problem, brute_partition(problem), solution, reported
+
+
 def brute_search(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints, profile) -> float | None:
     search = Search(model, cluster, constraints, profile)
     best = None

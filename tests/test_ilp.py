@@ -83,3 +83,39 @@ def test_solver_cache_reuses_identical_problems():
     first = solver.solve(P)
     again = solver.solve(replace(P))
     assert again is first and solver.hits >= 1
+
+
+def _siblings(memory_bytes: int):
+    """A no-recompute problem and its free-recompute sibling (the same candidate with recompute=full)."""
+    none = _problems(memory_bytes, pp=2, schedule="1f1b", micro_batch_size=1, zero=0, recompute="none")[0]
+    free = _problems(memory_bytes, pp=2, schedule="1f1b", micro_batch_size=1, zero=0)
+    free = next(P for P in free if P.recompute == "free" and P.rank == none.rank and P.time == none.time)
+    return none, free
+
+
+def test_free_recompute_shares_the_no_recompute_relaxation():
+    """Without a memory limit recomputing only adds time, so a free-recompute problem's relaxation is its
+    no-recompute sibling's: where that fits, both get its optimum from one memory-free solve."""
+    none, free = _siblings(10**9)
+    solver = PartitionSolver()
+    a = solver.solve(none)
+    b = solver.solve(free)
+    solves = solver.solves
+    c = solver.solve(replace(free, mem_limit=free.mem_limit * 2))
+    assert solver.solves == solves  # the shared relaxation fits: no new ILP
+    for P, sol in ((none, a), (free, b)):
+        assert sol.recompute == [0] * P.num_stages
+        assert math.isclose(sol.objective, brute_partition(P), rel_tol=1e-7)
+    assert c.bounds == b.bounds
+
+
+def test_relaxation_gives_each_problem_its_own_objective():
+    """Problems that share a memory-free optimum may differ by terms the same for every partition (the
+    step's scalar all-reduces): each gets its own objective, not the cached one's."""
+    P = _problems(10**9, pp=2, schedule="1f1b", micro_batch_size=1, zero=0, recompute="none")[0]
+    shifted = replace(P, step_sync=P.step_sync + 1e-3)
+    solver = PartitionSolver()
+    solver.solve(P)
+    sol = solver.solve(shifted)
+    assert sol.objective == pytest.approx(evaluate(shifted, sol.bounds, sol.recompute).iteration_time, rel=1e-12)
+    assert math.isclose(sol.objective, brute_partition(shifted), rel_tol=1e-7)

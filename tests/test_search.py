@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 from meshplan.planner.cli import main
@@ -11,10 +12,18 @@ from meshplan.planner.errors import InfeasibleError
 from meshplan.planner.model_sources import builtin_model
 from meshplan.planner.placement import Placer, allowed_cuts, model_graph
 from meshplan.planner.plan import Plan
-from meshplan.planner.search import Search, candidates, find_plan
+from meshplan.planner.search import Scored, Search, _key, _parallel, candidates, find_plan
+from meshplan.planner.shared_cores import evaluation_lower_bound
 from meshplan.profiler.presets import preset_profile
 
-from tests.planner_brute import brute_search, small_cluster, small_model
+from tests.planner_brute import (
+    brute_partition,
+    every_candidate,
+    partitions,
+    recompute_choices,
+    small_cluster,
+    small_model,
+)
 
 
 def _setup(memory_bytes, cluster="2x4xa100-40gb", blocks=4, **pins):
@@ -25,20 +34,111 @@ def _setup(memory_bytes, cluster="2x4xa100-40gb", blocks=4, **pins):
     return model, cl, constraints, profile
 
 
-@pytest.mark.parametrize("memory_bytes,cluster,pins", [
-    (10**9, "2x4xa100-40gb", {}),
-    (2_000_000, "2x4xa100-40gb", {}),
-    (1_200_000, "4xa100-40gb", {"global_batch_size": 16}),
-])
-def test_search_equals_brute_force(memory_bytes, cluster, pins):
-    model, cl, constraints, profile = _setup(memory_bytes, cluster, **pins)
-    expected = brute_search(model, cl, constraints, profile)
-    results = Search(model, cl, constraints, profile).run(1 + constraints.top_k)
-    assert expected is not None
-    assert math.isclose(min(r.objective for r in results), expected, rel_tol=1e-7)  # the closed form's optimum
+# Cases where memory binds (some candidates' optimum without the limit does not fit). The first is the
+# issue's: 16 blocks on 4 pipeline ranks, where recomputing part of one stage lets a better-balanced
+# partition fit, which the old rule "skip a recompute candidate when its no-recompute sibling fits" lost.
+BINDING = [
+    (7_000_000, "4xa100-40gb", 16, dict(pp=4, schedule="1f1b", micro_batch_size=1, zero=0, global_batch_size=16)),
+    (2_000_000, "2x4xa100-40gb", 4, {}),
+    (5_000_000, "4xa100-40gb", 8, dict(global_batch_size=16, pp=4, micro_batch_size=1)),
+    (2_500_000, "4xa100-40gb", 6, dict(global_batch_size=8)),
+]
+
+
+@pytest.mark.parametrize("memory_bytes,cluster,blocks,pins", [(10**9, "2x4xa100-40gb", 4, {}), *BINDING])
+def test_search_equals_brute_force(memory_bytes, cluster, blocks, pins):
+    """Every candidate's ILP optimum is brute force's over all partitions and recompute counts, and the
+    search, pruning included, reports the least time of all candidates solved one by one (its ranking
+    simulates pipelines: planner/shared_cores.py)."""
+    model, cl, constraints, profile = _setup(memory_bytes, cluster, blocks, **pins)
+    search = Search(model, cl, constraints, profile)
+    ranked = search.run(1 + constraints.top_k)
+    rows = list(every_candidate(search))  # same solver: the candidates it solved keep their solutions
+    for cand, _, brute, solution, _ in rows:
+        assert (solution is None) == (brute is None), cand
+        assert solution is None or math.isclose(solution.objective, brute, rel_tol=1e-7), cand
+    times = sorted(t for *_, t in rows if t is not None)
+    assert ranked[0].time == pytest.approx(times[0], rel=1e-12)
+    best: dict[tuple, float] = {}  # the top k distinct plans (parallel config and placement), as to_plan lists them
+    for cand, P, _, sol, t in rows:
+        if sol is not None:
+            key = _key(_parallel(search, Scored(cand, P, sol, 0, t)), cand.order)
+            best[key] = min(best.get(key, math.inf), t)
+    keep = 1 + constraints.top_k
+    assert [r.time for r in ranked[:keep]] == pytest.approx(sorted(best.values())[:keep], rel=1e-12)
+    if memory_bytes < 10**9:  # memory binds: some candidate does worse than without the limit
+        assert any(sol is None or sol.objective > search.partition.solve(replace(P, mem_limit=math.inf)).objective
+                   * (1 + 1e-9) for _, P, _, sol, _ in rows)
     plan = find_plan(model, cl, constraints, profile)
+    assert plan.predicted.iteration_time_s == pytest.approx(times[0], rel=1e-12)
     assert plan.predicted.peak_memory_bytes <= memory_bytes * (1 - constraints.memory_margin) * (1 + 1e-9)
     Plan.from_dict(json.loads(plan.to_json()))
+
+
+def test_recomputing_part_of_a_stage_beats_no_recompute():
+    """The issue's case: without recompute the best is 0.3932 ms (closed form); brute force finds 0.3646 ms
+    with full recompute on part of one stage. The search's plan is that one."""
+    model, cl, constraints, profile = _setup(*BINDING[0][:3], **BINDING[0][3])
+    search = Search(model, cl, constraints, profile)
+    best = search.run(1)[0]
+    without = min(brute_partition(search.problem(c)) for c in candidates(model, cl, constraints, search.placer)
+                  if c.recompute == "none")
+    blocks = sum(1 for layer in model.layers if layer.kind == "block")
+    assert best.cand.recompute == "full" and 0 < sum(best.solution.recompute) < blocks
+    assert best.objective < without * (1 - 0.05)
+    plan = find_plan(model, cl, constraints, profile)
+    assert plan.parallel.recompute == "full" and plan.predicted.iteration_time_s == pytest.approx(best.time)
+    assert 0 < sum(s.recompute_layers for s in plan.stages) < blocks
+
+
+def test_reported_time_bounds_hold_for_every_partition():
+    """The bounds the search prunes with are below the time it would report for every partition within
+    memory and every recompute count (brute force): before any ILP, after the memory-aware refinement,
+    and from a solved partition's own stage times."""
+    model, cl, constraints, profile = _setup(2_500_000, "4xa100-40gb", 5, global_batch_size=8, pp=2)
+    search = Search(model, cl, constraints, profile)
+    checked = pipelined = 0
+    for cand in candidates(model, cl, constraints, search.placer):
+        problem = search.problem(cand)
+        before, refined = search.reported_bound(cand), search.refined_bound(cand)
+        assert before <= refined * (1 + 1e-12)
+        for bounds in partitions(problem):
+            for recompute in recompute_choices(problem, bounds):
+                ev = evaluate(problem, bounds, recompute)
+                if not ev.feasible:
+                    continue
+                reported = search.shared_time(cand, ev)
+                assert refined <= reported * (1 + 1e-9), (cand, bounds, recompute)
+                quick = evaluation_lower_bound(ev, cand.schedule, cand.pp, cand.v, cand.m)
+                assert quick <= reported * (1 + 1e-9), (cand, bounds, recompute)
+                checked += 1
+                pipelined += cand.schedule in ("interleaved-1f1b", "zero-bubble")
+    assert checked > 1000 and pipelined > 100
+
+
+def test_selective_recompute_is_all_blocks_or_none():
+    """The executor recomputes the attention core of every block of a stage under selective recompute
+    (executor/parallelize.py apply_ac ignores the per-stage count), so the search offers selective only
+    for all blocks and the plan's counts say so."""
+    model, cl, constraints, profile = _setup(2_500_000, "4xa100-40gb", 6, global_batch_size=8)
+    search = Search(model, cl, constraints, profile)
+    solved = 0
+    for cand in candidates(model, cl, constraints, search.placer):
+        if cand.recompute != "selective":
+            continue
+        problem = search.problem(cand)
+        assert cand.recompute_pinned and problem.recompute == "all"
+        solution = search.partition.solve(problem)
+        if solution is not None:
+            assert solution.recompute == [sum(1 for k in problem.kinds[a:b] if k == "block")
+                                          for a, b in zip(solution.bounds, solution.bounds[1:])]
+            solved += 1
+    assert solved >= 5
+    pinned = Constraints(**{**vars(constraints), "recompute": "selective"})
+    plan = find_plan(model, cl, pinned, profile)
+    assert plan.parallel.recompute == "selective"
+    assert all(s.recompute_layers == sum(1 for layer in model.layers[s.layers[0]:s.layers[1]] if layer.kind == "block")
+               for s in plan.stages)
 
 
 def test_best_candidates_are_re_ranked_by_their_simulated_schedules():

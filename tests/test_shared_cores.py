@@ -132,3 +132,51 @@ def test_shared_pruning_stays_sound_with_pipeline_costs():
     pruned = Search(model, cluster, constraints, _with_pipeline_costs(_profile(cores=2))).run(1)
     everything = Search(model, cluster, constraints, _with_pipeline_costs(_profile(cores=2))).run(10**6)
     assert pruned[0].time == pytest.approx(min(r.time for r in everything))
+
+
+SHAPES = [("gpipe", 4, 1, 3), ("gpipe", 3, 1, 6), ("1f1b", 4, 1, 8), ("1f1b", 4, 1, 5), ("interleaved-1f1b", 4, 2, 8),
+          ("interleaved-1f1b", 2, 3, 4), ("interleaved-1f1b", 3, 2, 6), ("zero-bubble", 4, 2, 8),
+          ("zero-bubble", 4, 2, 5), ("zero-bubble", 3, 3, 6)]
+
+
+def _random_times(rng, stages: int, spread: float = 1.0) -> list[StageTimes]:
+    return [StageTimes(forward=rng.uniform(0.1, 1.0) * spread ** k, backward=rng.uniform(0.2, 2.0),
+                       recompute=rng.choice([0.0, rng.uniform(0, 0.5)]), communication=rng.uniform(0, 0.2),
+                       overhead=rng.choice([0.0, rng.uniform(0, 0.4)])) for k in range(stages)]
+
+
+@pytest.mark.parametrize("schedule,pp,v,m", SHAPES)
+def test_fixed_speed_makespan_is_the_simulation(schedule, pp, v, m):
+    """The longest path over the schedule's dependency graph is the event simulation's makespan at
+    constant speed, for every schedule, stage times and hops."""
+    import random
+
+    from meshplan.planner.shared_cores import fixed_speed_makespan
+
+    rng = random.Random(f"{schedule}{pp}{v}{m}")
+    for _ in range(20):
+        times = _random_times(rng, pp * v)
+        assert fixed_speed_makespan(schedule, pp, v, m, times) == \
+            pytest.approx(simulate(schedule, pp, v, m, times).makespan, rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule,pp,v,m", SHAPES)
+def test_makespan_lower_bound_holds_for_any_stage_times(schedule, pp, v, m):
+    """`makespan_lower_bound` from the stages' total work and busiest stage is below the simulated makespan
+    whatever the split over stages (balanced, skewed towards either end, random); for GPipe, 1F1B and
+    interleaving it includes part of the fill and drain, above m·work/pp."""
+    import random
+
+    from meshplan.planner.shared_cores import fill_factor, makespan_lower_bound
+
+    rng = random.Random(f"bound{schedule}{pp}{v}{m}")
+    for spread in (1.0, 0.5, 2.0, None):
+        for _ in range(15):
+            times = _random_times(rng, pp * v, spread if spread is not None else rng.uniform(0.3, 3.0))
+            busy = [t.forward + t.backward + t.recompute + t.overhead for t in times]
+            bound = makespan_lower_bound(schedule, pp, v, m, sum(busy), max(busy))
+            assert bound <= simulate(schedule, pp, v, m, times).makespan * (1 + 1e-9)
+    if schedule != "zero-bubble":
+        assert fill_factor(schedule, pp, v, m) > m / pp
+    if v == 1:
+        assert fill_factor(schedule, pp, v, m) == pytest.approx(1 / (1 - (1 - 1 / m) ** pp))
