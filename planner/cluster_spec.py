@@ -70,6 +70,9 @@ def _host_memory_bytes() -> int:
 # (2023): 67 TFLOP/s FP32, 989 TFLOP/s BF16/FP16 dense, NVLink4 900 GB/s (450 per direction), NDR 400 Gb/s
 # per GPU in DGX H100. H200 SXM datasheet (2024): H100 compute, 141 GB HBM3e, same NVLink/NDR.
 # HBM bandwidth: A100 40GB 1.555 TB/s, A100 80GB 2.039 TB/s, H100 SXM 3.35 TB/s, H200 4.8 TB/s.
+# B200 (HGX/DGX B200, docs/sources/hardware_constants.md): 2,250 TFLOP/s BF16/FP16 dense, 80 TFLOP/s FP32,
+# 180 GB HBM3e (DGX B200: 1,440 GB for 8 GPUs) at 8 TB/s, NVLink5 1.8 TB/s total (900 GB/s per direction),
+# 8x ConnectX-7 400 Gb/s per node (50 GB/s per GPU).
 # Latencies: NCCL all-reduce small-message latency, ~5 us over NVLink, ~10 us over InfiniBand.
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
     "a100-40gb": DeviceSpec("a100-40gb", "cuda", 40960 * MiB, {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12},
@@ -80,6 +83,8 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
                             memory_bandwidth_Bps=3.35e12),
     "h200-141gb": DeviceSpec("h200-141gb", "cuda", 143771 * MiB, {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12},
                              memory_bandwidth_Bps=4.8e12),
+    "b200-180gb": DeviceSpec("b200-180gb", "cuda", 180 * 1000**3, {"fp32": 80e12, "bf16": 2250e12, "fp16": 2250e12},
+                             memory_bandwidth_Bps=8e12),
     # A CPU "device" is one process; its memory is this host's RAM shared by the processes of a node
     # (set in parse_cluster). FLOP/s: a nominal few-core AVX2 figure; the profiler measures the real one.
     "cpu": DeviceSpec("cpu", "cpu", 16 * GiB, {"fp32": 1e11, "bf16": 2e10, "fp16": 1e10}, efficiency=0.3,
@@ -91,6 +96,7 @@ LINK_PRESETS: dict[str, tuple[LinkSpec, LinkSpec]] = {  # (intra-node, inter-nod
     "a100-80gb": (LinkSpec(300e9, 5e-6), LinkSpec(25e9, 10e-6)),
     "h100-80gb": (LinkSpec(450e9, 5e-6), LinkSpec(50e9, 10e-6)),
     "h200-141gb": (LinkSpec(450e9, 5e-6), LinkSpec(50e9, 10e-6)),
+    "b200-180gb": (LinkSpec(900e9, 5e-6), LinkSpec(50e9, 10e-6)),
     # gloo over loopback TCP: a few GB/s, tens of microseconds (measured by the profiler when present).
     "cpu": (LinkSpec(2e9, 50e-6), LinkSpec(1e9, 100e-6)),
 }
@@ -179,7 +185,9 @@ def local_cluster() -> ClusterSpec:
         props = torch.cuda.get_device_properties(0)
         gib = props.total_memory / GiB
         title = props.name.upper()
-        if "H200" in title:
+        if "B200" in title:
+            dtype = "b200-180gb"
+        elif "H200" in title:
             dtype = "h200-141gb"
         elif "H100" in title:
             dtype = "h100-80gb"

@@ -25,6 +25,8 @@ AUTO_PROFILE_MAX_FLOPS = 2e9
 def gpu_preset_type(name: str, total_memory: int) -> str:
     """The cluster preset a local GPU corresponds to (same rules as planner.cluster_spec.local_cluster)."""
     title = name.upper()
+    if "B200" in title:
+        return "b200-180gb"
     if "H200" in title:
         return "h200-141gb"
     if "H100" in title:

@@ -99,3 +99,11 @@ def test_bad_cluster_files(tmp_path, body, message):
     path.write_text(body)
     with pytest.raises(InputError, match=message):
         parse_cluster(str(path))
+
+
+def test_b200_preset():
+    """HGX/DGX B200 datasheet figures: 2.25 PFLOP/s dense BF16, 180 GB at 8 TB/s, NVLink5 900 GB/s a direction."""
+    c = parse_cluster("2x8xb200-180gb")
+    assert c.world_size == 16 and c.device.peak_flops["bf16"] == 2250e12
+    assert c.device.memory_bytes == 180 * 1000**3 and c.device.memory_bandwidth_Bps == 8e12
+    assert c.intra_node.bandwidth_Bps == 900e9 and c.inter_node.bandwidth_Bps == 50e9
