@@ -1,0 +1,149 @@
+"""Predicted against published: GPU training runs pinned to their published layouts.
+
+    python benchmarks/published_runs.py [--source KEY ...] [--no-free]
+
+Rows come from benchmarks/data/published_rows.json (each with its source, table and the quoted row). The
+planner is pinned to the row's layout (tp, pp, dp, virtual stages, micro-batch, ZeRO, recompute) on a
+preset cluster of the row's GPUs, 8 per node, and its predicted iteration time is set against the
+published one: the iteration time where the source gives it, else the time its published TFLOP/s per
+GPU imply under the source's own FLOP formula. Nothing in the cost model is fitted to these rows.
+Rows whose layout is incomplete in the source (micro-batch, batch) are pinned where known; the planner
+picks the rest. The last columns give the planner's free choice for the same model, cluster and batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from meshplan.planner.cluster_spec import parse_cluster
+from meshplan.planner.constraints import Constraints
+from meshplan.planner.errors import InfeasibleError, InputError
+from meshplan.planner.model_sources import builtin_model
+from meshplan.planner.model_spec import ModelSpec
+from meshplan.planner.search import find_plan
+from meshplan.profiler.presets import preset_profile
+from rich.console import Console
+from rich.table import Table
+
+ROWS = Path(__file__).with_name("data") / "published_rows.json"
+# Sources whose rows carry a full dense layout and a bf16/fp16 time; the FSDP-only MPT table and the fp8
+# pages are left to --source.
+DEFAULT_SOURCES = ("megatron_sc21", "korthikanti_2022", "llama3_herd_2024", "bloom_bigscience", "mt_nlg_2022")
+
+
+def model_of(row: dict) -> ModelSpec:
+    m = row["model"]
+    base = builtin_model("llama3-70b" if m["arch"] == "llama" else "gpt3-175b")
+    return replace(base, name=row["id"], hidden_size=m["hidden_size"], num_layers=m["num_layers"],
+                   num_heads=m["num_heads"], num_kv_heads=m.get("num_kv_heads") or m["num_heads"],
+                   ffn_hidden_size=m.get("ffn_hidden_size") or 4 * m["hidden_size"], head_dim=0,
+                   vocab_size=m["vocab_size"], max_seq_len=max(base.max_seq_len, m["seq_len"]), layers=())
+
+
+def megatron_flops(row: dict, batch: int, recompute: bool) -> float:
+    """Narayanan et al. SC'21 Eq. 3: 96·B·s·l·h²(1 + s/6h + V/16lh) with full recompute; 72·B·s·l·h²(1 + s/6h +
+    V/12lh) without (Korthikanti et al. 2022, the model FLOPs of its MFU)."""
+    m = row["model"]
+    s, L, h, V = m["seq_len"], m["num_layers"], m["hidden_size"], m["vocab_size"]
+    if recompute:
+        return 96.0 * batch * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    return 72.0 * batch * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+
+
+def published_time(row: dict, model: ModelSpec) -> float | None:
+    """Seconds per iteration as published, or as the published TFLOP/s per GPU (or MFU) imply."""
+    pub, lay, n = row["published"], row["layout"], row["num_gpus"]
+    if pub.get("iteration_time_s"):
+        return float(pub["iteration_time_s"])
+    batch = lay.get("global_batch_size")
+    if not batch:
+        return None
+    if row["source_key"] in ("megatron_sc21", "mt_nlg_2022") and pub.get("tflops_per_gpu"):
+        return megatron_flops(row, batch, True) / (pub["tflops_per_gpu"] * 1e12 * n)
+    if pub.get("tflops_per_gpu"):  # model FLOPs (6·N·D plus attention), as Llama 3 reports them
+        from meshplan.planner.cost_model import model_flops_per_iteration
+
+        flops = model_flops_per_iteration(model, batch, row["model"]["seq_len"])
+        return flops / (pub["tflops_per_gpu"] * 1e12 * n)
+    return None
+
+
+def constraints_of(row: dict, pinned: bool) -> Constraints:
+    lay, m = row["layout"], row["model"]
+    c = Constraints(global_batch_size=lay["global_batch_size"], seq_len=m["seq_len"], top_k=1,
+                    dtype="fp16" if lay.get("dtype") == "fp16" else "bf16")
+    if not pinned:
+        return c
+    v = lay.get("virtual_stages") or 1
+    schedule = "interleaved-1f1b" if v > 1 else ("1f1b" if lay["pp"] > 1 else None)
+    return replace(c, tp=lay["tp"], pp=lay["pp"], dp=lay["dp"], micro_batch_size=lay.get("micro_batch_size"),
+                   virtual_stages=v if v > 1 else None, schedule=schedule, recompute=lay.get("recompute"),
+                   zero=lay.get("zero"))
+
+
+def usable(row: dict) -> bool:
+    lay = row["layout"]
+    dims = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len")
+    complete = all(row["model"].get(k) for k in dims) and bool(lay.get("global_batch_size"))
+    dense_bf16 = not row.get("fp8") and (lay.get("cp") or 1) == 1
+    return complete and dense_bf16 and row["gpu"] in ("a100-40gb", "a100-80gb", "h100-80gb") \
+        and row["num_gpus"] % 8 == 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--source", nargs="*", default=list(DEFAULT_SOURCES), help="source_key values of the rows")
+    ap.add_argument("--no-free", action="store_true", help="skip the planner's free choice (faster)")
+    args = ap.parse_args()
+    rows = [r for r in json.loads(ROWS.read_text())["rows"] if r["source_key"] in args.source and usable(r)]
+    table = Table(title=f"predicted vs published ({len(rows)} rows, preset profiles)")
+    for col in ("row", "GPUs", "layout", "published s", "predicted s", "error", "free choice", "free s"):
+        table.add_column(col, justify="right")
+    errors, start = [], time.perf_counter()
+    for row in rows:
+        model = model_of(row)
+        cluster = parse_cluster(f"{row['num_gpus'] // 8}x8x{row['gpu']}" if row["num_gpus"] > 8
+                                else f"8x{row['gpu']}")
+        profile = preset_profile(model, cluster, constraints_of(row, True).dtype)
+        lay = row["layout"]
+        layout = f"t{lay['tp']} p{lay['pp']} d{lay['dp']} v{lay.get('virtual_stages') or 1} " \
+                 f"b{lay.get('micro_batch_size') or '?'} {lay.get('recompute') or '?'}"
+        target = published_time(row, model)
+        try:
+            plan = find_plan(model, cluster, constraints_of(row, True), profile)
+            pred = plan.predicted.iteration_time_s
+            cell = f"{pred:.2f}"
+        except (InfeasibleError, InputError) as exc:
+            pred, cell = None, "no fit" if isinstance(exc, InfeasibleError) else "bad pin"
+        err = ""
+        if pred is not None and target:
+            e = pred / target - 1
+            errors.append(e)
+            err = f"{e:+.1%}"
+        free, free_s = "", ""
+        if not args.no_free:
+            try:
+                fp = find_plan(model, cluster, constraints_of(row, False), profile)
+                p = fp.parallel
+                free = f"t{p.tp} p{p.pp} d{p.dp} v{p.virtual_stages} z{p.zero} b{p.micro_batch_size} {p.recompute}"
+                free_s = f"{fp.predicted.iteration_time_s:.2f}"
+            except (InfeasibleError, InputError):
+                free = "none"
+        table.add_row(row["id"], str(row["num_gpus"]), layout, f"{target:.2f}" if target else "?", cell, err, free,
+                      free_s)
+    console = Console(width=160)
+    console.print(table)
+    if errors:
+        abs_err = [abs(e) for e in errors]
+        console.print(f"median |error| {statistics.median(abs_err):.1%}, worst {max(abs_err):.1%}, "
+                      f"within 15 %: {sum(e <= 0.15 for e in abs_err)}/{len(abs_err)}, mean signed "
+                      f"{statistics.mean(errors):+.1%} ({time.perf_counter() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
