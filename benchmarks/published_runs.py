@@ -20,7 +20,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from meshplan.planner.cluster_spec import parse_cluster
+from meshplan.planner.cluster_spec import LinkSpec, parse_cluster
 from meshplan.planner.constraints import Constraints
 from meshplan.planner.errors import InfeasibleError, InputError
 from meshplan.planner.model_sources import builtin_model
@@ -34,6 +34,45 @@ ROWS = Path(__file__).with_name("data") / "published_rows.json"
 # Sources whose rows carry a full dense layout and a bf16/fp16 time; the FSDP-only MPT table and the fp8
 # pages are left to --source.
 DEFAULT_SOURCES = ("megatron_sc21", "korthikanti_2022", "llama3_herd_2024", "bloom_bigscience", "mt_nlg_2022")
+# How each source's software ran (facts about the runs, not fitted values; profiler/roofline.py):
+# - Megatron-LM and Megatron-DeepSpeed in 2021-22 computed attention unfused, with a fused scale-mask-softmax
+#   and dropout on the b·a·s² probabilities (Korthikanti et al. 2022 §4.1, Eq. 1 counts those tensors);
+#   BLOOM and MT-NLG ran Megatron-DeepSpeed of that time. Llama 3 (2024) ran flash attention.
+# - Megatron-LM keeps sequence-parallel activations as shards (Korthikanti et al. 2022 Eq. 5); Llama 3 trained
+#   this layout at 8K without activation checkpointing (§3.3.2), which needs the same.
+# - SC'21's artifact (examples/sc21/run_table_1.sh) runs DDP=local: the gradient all-reduce follows the
+#   whole backward (Megatron-LM's --overlap-grad-reduce came in 2023).
+SOFTWARE = {
+    "megatron_sc21": dict(attention="unfused", activations="sharded", grad_overlap=False),
+    "korthikanti_2022": dict(attention="unfused", activations="sharded", grad_overlap=False),
+    "bloom_bigscience": dict(attention="unfused", activations="sharded"),
+    "mt_nlg_2022": dict(attention="unfused", activations="sharded"),
+    "llama3_herd_2024": dict(attention="flash", activations="sharded"),
+    # Megatron-Core (2024): Transformer Engine's flash attention, activations kept as shards, gradient
+    # reduction overlapped; llm-foundry MPT: flash attention under FSDP; torchtitan: the executor's stack.
+    "megatron_readme_h100_2024": dict(attention="flash", activations="sharded"),
+    "llm_foundry_mpt": dict(attention="flash"),
+    "torchtitan": dict(attention="flash"),
+}
+
+
+# Interconnects that differ from the preset's DGX fabric, as the source documents them: BLOOM's Jean Zay nodes
+# had 4 x 100 Gb/s Omni-Path links per node of 8 A100s (BLOOM paper, arXiv:2211.05100 §3.4.1), 6.25 GB/s
+# per GPU, nominal (no measured bus bandwidth published).
+INTER_NODE = {"bloom_bigscience": LinkSpec(4 * 100e9 / 8 / 8, 4.0e-6)}
+
+
+def cluster_of(row: dict):
+    text = f"{row['num_gpus'] // 8}x8x{row['gpu']}" if row["num_gpus"] > 8 else f"8x{row['gpu']}"
+    cluster = parse_cluster(text)
+    link = INTER_NODE.get(row["source_key"])
+    return replace(cluster, inter_node=link) if link is not None else cluster
+
+
+def software(row: dict) -> dict:
+    """The row's software settings; sequence parallelism as the row's layout says (on when not given)."""
+    sp = row["layout"].get("sequence_parallel") is not False
+    return SOFTWARE.get(row["source_key"], {}) | {"sequence_parallel": sp}
 
 
 def model_of(row: dict) -> ModelSpec:
@@ -63,6 +102,10 @@ def published_time(row: dict, model: ModelSpec) -> float | None:
     batch = lay.get("global_batch_size")
     if not batch:
         return None
+    if pub.get("tokens_per_s_per_gpu"):  # measured throughput: no FLOP formula needed
+        return batch * row["model"]["seq_len"] / (pub["tokens_per_s_per_gpu"] * n)
+    if row["source_key"] == "megatron_readme_h100_2024" and pub.get("tflops_per_gpu"):
+        return megatron_flops(row, batch, False) / (pub["tflops_per_gpu"] * 1e12 * n)
     if row["source_key"] in ("megatron_sc21", "mt_nlg_2022") and pub.get("tflops_per_gpu"):
         return megatron_flops(row, batch, True) / (pub["tflops_per_gpu"] * 1e12 * n)
     if pub.get("tflops_per_gpu"):  # model FLOPs (6·N·D plus attention), as Llama 3 reports them
@@ -81,6 +124,8 @@ def constraints_of(row: dict, pinned: bool) -> Constraints:
         return c
     v = lay.get("virtual_stages") or 1
     schedule = "interleaved-1f1b" if v > 1 else ("1f1b" if lay["pp"] > 1 else None)
+    if lay.get("virtual_stages") is None:  # not published: the planner picks the schedule
+        schedule = None
     return replace(c, tp=lay["tp"], pp=lay["pp"], dp=lay["dp"], micro_batch_size=lay.get("micro_batch_size"),
                    virtual_stages=v if v > 1 else None, schedule=schedule, recompute=lay.get("recompute"),
                    zero=lay.get("zero"))
@@ -107,9 +152,8 @@ def main() -> None:
     errors, start = [], time.perf_counter()
     for row in rows:
         model = model_of(row)
-        cluster = parse_cluster(f"{row['num_gpus'] // 8}x8x{row['gpu']}" if row["num_gpus"] > 8
-                                else f"8x{row['gpu']}")
-        profile = preset_profile(model, cluster, constraints_of(row, True).dtype)
+        cluster = cluster_of(row)
+        profile = preset_profile(model, cluster, constraints_of(row, True).dtype, **software(row))
         lay = row["layout"]
         layout = f"t{lay['tp']} p{lay['pp']} d{lay['dp']} v{lay.get('virtual_stages') or 1} " \
                  f"b{lay.get('micro_batch_size') or '?'} {lay.get('recompute') or '?'}"

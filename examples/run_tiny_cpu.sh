@@ -7,7 +7,9 @@ OUT=${1:-/tmp/meshplan-tiny}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=1
 
-# The planner's plan for 4 CPU processes, pinned to pipeline x data parallelism with ZeRO-3.
+# The planner's plan for 4 CPU processes, pinned to pipeline x data parallelism with ZeRO-3. The first run
+# measures tiny on this host's cores (a progress bar, tens of seconds; cached in $MESHPLAN_CACHE or
+# ~/.cache/meshplan), so the prediction is this host's, not the CPU preset's.
 plan tiny --cluster 4xcpu --pp 2 --dp 2 --zero 3 --seq-len 32 --global-batch-size 8 -o "$OUT/plan.json"
 
 # 20 steps, a checkpoint every 5; rank 1 is killed at step 12 (fault injection for the demo) and

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from meshplan.executor.context_parallel import check_cp
 from meshplan.planner.errors import InputError
 from meshplan.planner.plan import Plan
 
@@ -20,9 +21,33 @@ def check_supported(plan: Plan) -> None:
         raise InputError(f"plan.parallel.seq_len: {p.seq_len} must be a multiple of tp={p.tp} with sequence parallel")
     if spec.position == "learned" and p.seq_len > spec.max_seq_len:
         raise InputError(f"plan.parallel.seq_len: {p.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}")
+    check_cp(plan)
     if p.schedule == "zero-bubble" and p.zero >= 3 and p.dp > 1:
         raise InputError("plan.parallel.zero: zero-bubble schedules split backward into input and weight passes, "
                          "which FSDP2 with ZeRO-3 resharding gets wrong in this PyTorch; use zero <= 2 or 1f1b")
+    _check_moe(plan)
     if p.schedule == "zero-bubble" and p.virtual_stages not in (1, 2) and p.num_micro_batches % p.pp:
         raise InputError(f"plan.parallel.num_micro_batches: zero-bubble with {p.virtual_stages} virtual stages "
                          f"needs a multiple of pp={p.pp}")
+
+
+def _check_moe(plan: Plan) -> None:
+    """Mixture of experts: what executor/moe.py and executor/expert_parallel.py run."""
+    spec, p = plan.model, plan.parallel
+    if spec.qk_norm and p.tp > 1:
+        raise InputError(f"plan.parallel.tp: the executor does not shard the q/k norms of '{spec.name}' over "
+                         f"tensor-parallel heads; use tp=1")
+    if spec.moe is None:
+        if p.ep > 1:
+            raise InputError(f"plan.parallel.ep: {p.ep} needs a mixture-of-experts model; '{spec.name}' is dense")
+        return
+    if spec.moe.num_experts % p.ep:
+        raise InputError(f"plan.parallel.ep: {p.ep} does not divide the model's {spec.moe.num_experts} experts")
+    if p.expert_tp > 1:
+        raise InputError(f"plan.parallel.expert_tp: {p.expert_tp}: the executor runs experts unsharded over "
+                         f"tensor parallelism (expert_tp=1) only")
+    if spec.moe.capacity_factor is not None:
+        raise InputError("plan.model.moe.capacity_factor: the executor is dropless only; set it to null")
+    if p.ep > 1 and p.schedule == "zero-bubble":
+        raise InputError("plan.parallel.schedule: zero-bubble splits backward into input and weight passes, "
+                         "which the experts' all-to-all does not support; use 1f1b or interleaved-1f1b with ep > 1")

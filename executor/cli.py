@@ -16,6 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 from meshplan.executor.checks import check_supported
+from meshplan.executor.context_parallel import check_cp_backend
 from meshplan.executor.data import DATA_DTYPES
 from meshplan.executor.pipeline import local_stages
 from meshplan.executor.train import TrainConfig, Trainer
@@ -104,6 +105,23 @@ def init_distributed(backend: str) -> None:
                             rank=rank, world_size=world, timeout=timeout)
 
 
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo's tcp transport
+
+
+def lost_peer(exc: BaseException) -> str | None:
+    """gloo's words when this rank failed because another rank's process is gone (the error can come
+    wrapped, e.g. by torch.distributed.pipelining's "[Stage 0] failed to run forward"), else None."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            break
+        for marker in PEER_LOST:
+            if marker in str(seen):
+                return marker
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     rank = os.environ.get("RANK", "0")
@@ -113,10 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world != plan.world_size:
             raise InputError(f"plan.world_size: the plan needs {plan.world_size} processes (pp={plan.parallel.pp} "
-                             f"x dp={plan.parallel.dp} x tp={plan.parallel.tp}) but {world} were launched; "
+                             f"x dp={plan.parallel.dp} x cp={plan.parallel.cp} x tp={plan.parallel.tp}) but {world} "
+                             f"were launched; "
                              f"use torchrun with nnodes x nproc-per-node = {plan.world_size}")
         check_supported(plan)
         device, backend = pick_device(plan, int(os.environ.get("LOCAL_RANK", "0")))
+        check_cp_backend(plan, backend)
         assert local_stages(plan, 0)  # validated by load_plan: every pp rank has a stage
     except MeshplanError as exc:
         print(f"executor: error: [rank {rank}] {exc}", file=sys.stderr, flush=True)
@@ -136,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     except MeshplanError as exc:
         print(f"executor: error: [rank {rank}] {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
+    except RuntimeError as exc:
+        lost = lost_peer(exc)
+        if lost is None:
+            raise
+        # another rank's process went away (its own output says why): one line here, not a traceback
+        print(f"executor: error: [rank {rank}] a peer process stopped ({lost})", file=sys.stderr, flush=True)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -3,8 +3,8 @@
 Step lines hold exactly step, loss, step_time_s, tokens_per_s, peak_memory_bytes; the final summary
 line holds the plan's predicted iteration time and the measured median after warm-up, the plan's path,
 and on CPU `peak_tensor_bytes`: the most tensor memory any rank held during the second step, tracked
-with the torch profiler (CPU has no allocator statistics, and peak RSS counts the interpreter and
-libraries). That step runs instrumented, so its time is left out of the median.
+by watching every op through a TorchDispatchMode (CPU has no allocator statistics, and peak RSS counts
+the interpreter and libraries). That step runs instrumented, so its time is left out of the median.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import os
 import resource
 import statistics
 import sys
-import warnings
 from contextlib import contextmanager
 
 import torch
@@ -47,29 +46,97 @@ def tensor_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-PROFILER_USED = [False]  # set once the torch profiler (kineto) has run in this process: see executor/__main__.py
+def _storages(tree, into: dict[int, torch.UntypedStorage]) -> None:
+    """The untyped storages behind the tensors in an op's arguments or results (a wrapper subclass such as
+    DTensor: the storages of the tensors it wraps, e.g. the local shard)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    from torch.utils._pytree import tree_leaves
+
+    pending = [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    while pending:
+        t = pending.pop()
+        if is_traceable_wrapper_subclass(t):
+            pending.extend(x for x in (getattr(t, a) for a in t.__tensor_flatten__()[0]) if isinstance(x, torch.Tensor))
+        elif t.device.type != "meta" and t.layout == torch.strided:
+            st = t.untyped_storage()
+            into[id(st)] = st
+
+
+class _LiveTensorBytes:
+    """Bytes of tensor storage allocated since the start and still alive, and their peak. A storage counts
+    from the op that returns it without having received it (a new tensor), and from an in-place resize
+    (FSDP frees and re-allocates unsharded parameters with `UntypedStorage.resize_`) by what it grew above
+    its size before; it stops counting when it shrinks back or is garbage-collected (a weak reference on
+    the storage, which torch keeps alive exactly as long as a tensor uses it)."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+        self.counted: dict[int, list] = {}  # id(storage) -> [bytes counted, bytes before the start, weakref]
+
+    def count(self, st: torch.UntypedStorage, before: int = 0) -> None:
+        import weakref
+
+        key = id(st)
+        entry = self.counted.get(key)
+        if entry is None:
+            def gone(_ref, key=key):
+                dead = self.counted.pop(key, None)
+                if dead is not None:
+                    self.live -= dead[0]
+
+            entry = self.counted[key] = [0, before, weakref.ref(st, gone)]
+        nbytes = max(0, st.nbytes() - entry[1])
+        self.live += nbytes - entry[0]
+        entry[0] = nbytes
+        self.peak = max(self.peak, self.live)
+
+    def op(self, args, kwargs, out) -> None:
+        given: dict[int, torch.UntypedStorage] = {}
+        _storages((args, kwargs), given)
+        made: dict[int, torch.UntypedStorage] = {}
+        _storages(out, made)
+        for key, st in made.items():
+            if key in self.counted:  # follow a size change (an out= argument resized)
+                self.count(st)
+            elif key not in given:
+                self.count(st)
 
 
 @contextmanager
 def track_cpu_allocations():
-    """Peak bytes allocated inside the block above what was live before it, from the torch profiler's
-    CPU memory tracking (CPU tensors have no allocator statistics). Tensors freed here that were
-    allocated before are not subtracted (the profiler does not know their size): an upper bound."""
-    from torch.profiler import ProfilerActivity, profile
+    """Peak bytes of tensor memory allocated inside the block above what was live before it (CPU tensors
+    have no allocator statistics). Every aten op is seen through a TorchDispatchMode: its outputs that are
+    not among its inputs are new storages, counted until they are garbage-collected. Tensors freed here
+    that were allocated before are not subtracted (their size is not known here): an upper bound. Not seen:
+    scratch memory inside a kernel, and temporaries inside a DTensor op's own redistribution. Unlike the
+    torch profiler's memory tracking, this prints nothing and starts no profiler thread."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    tracker = _LiveTensorBytes()
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            tracker.op(args, kwargs, out)
+            return out
+
+    original_resize = torch.UntypedStorage.resize_
+
+    def resize_(st, size):
+        before = st.nbytes()
+        result = original_resize(st, size)
+        tracker.count(st, before)
+        return result
 
     out = {"peak": 0}
-    PROFILER_USED[0] = True
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        with Mode():
             yield out
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    out["peak"] = peak
+    finally:
+        torch.UntypedStorage.resize_ = original_resize
+    out["peak"] = tracker.peak
 
 
 def warmup_steps(n: int) -> int:
@@ -85,7 +152,7 @@ def measured_steps(step_times: list[float]) -> list[float]:
 
 def timed_step_times(records: list[dict]) -> list[float]:
     """From a metrics file's records, the step times the executor's own median is taken over: steps the
-    CPU memory probe instrumented (`"timed": false`, many times slower under the torch profiler) and
+    CPU memory probe instrumented (`"timed": false`, slower, every op seen from Python) and
     the warm-up left out."""
     return measured_steps([r["step_time_s"] for r in records if "step" in r and r.get("timed", True)])
 

@@ -15,7 +15,8 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from meshplan.planner.model_spec import ModelSpec
+from meshplan.executor.moe import MoE
+from meshplan.planner.model_spec import ModelSpec, is_sparse_block
 from torch.utils.checkpoint import checkpoint
 
 
@@ -25,12 +26,14 @@ def _norm(spec: ModelSpec) -> nn.Module:
     return nn.RMSNorm(spec.hidden_size, eps=spec.norm_eps)
 
 
-def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
+def rotary(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Rotary position embedding on x [b, s, heads, head_dim], computed on the fly (no buffers, so
-    meta-device construction and any sharding need no special handling)."""
+    meta-device construction and any sharding need no special handling). `positions`: the global
+    positions of x's s tokens (context parallelism holds a chunk of the sequence); default 0..s-1."""
     _, s, _, d = x.shape
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    angles = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv)  # [s, d/2]
+    pos = torch.arange(s, device=x.device) if positions is None else positions.to(x.device)
+    angles = torch.outer(pos.to(torch.float32), inv)  # [s, d/2]
     cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
     x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
@@ -44,6 +47,10 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.recompute_core = False
+        # context parallelism (executor/context_parallel.py): global positions of this rank's tokens and the
+        # wrapper that runs the attention core across the CP group; None without CP
+        self.positions: torch.Tensor | None = None
+        self.cp_attention = None
         h, hd = spec.hidden_size, spec.head_dim
         q_dim, kv_dim = spec.num_heads * hd, spec.num_kv_heads * hd
         qkv_bias = spec.linear_bias or spec.qkv_bias
@@ -53,20 +60,24 @@ class Attention(nn.Module):
         self.wk = nn.Linear(h, kv_dim, bias=qkv_bias)
         self.wv = nn.Linear(h, kv_dim, bias=qkv_bias)
         self.wo = nn.Linear(q_dim, h, bias=spec.linear_bias)
+        # Qwen3: RMSNorm over each head's q and k before RoPE
+        self.q_norm = nn.RMSNorm(hd, eps=spec.norm_eps) if spec.qk_norm else None
+        self.k_norm = nn.RMSNorm(hd, eps=spec.norm_eps) if spec.qk_norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)  # -1: local heads under tensor parallelism
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:
-            q, k = rotary(q, self.rope_theta), rotary(k, self.rope_theta)
+            q, k = rotary(q, self.rope_theta, self.positions), rotary(k, self.rope_theta, self.positions)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         core = partial(F.scaled_dot_product_attention, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
         if self.recompute_core and torch.is_grad_enabled():
-            out = checkpoint(core, q, k, v, use_reentrant=False, preserve_rng_state=False)
-        else:
-            out = core(q, k, v)
+            core = partial(checkpoint, core, use_reentrant=False, preserve_rng_state=False)
+        out = core(q, k, v) if self.cp_attention is None else self.cp_attention(core, q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -86,12 +97,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    """Attention + feed-forward; block `index` of a MoE model is sparse per ModelSpec.moe (executor/moe.py)."""
+
+    def __init__(self, spec: ModelSpec, index: int = 0):
         super().__init__()
         self.attention_norm = _norm(spec)
         self.attention = Attention(spec)
         self.ffn_norm = _norm(spec)
-        self.feed_forward = MLP(spec)
+        self.feed_forward = MoE(spec) if is_sparse_block(spec, index) else MLP(spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
@@ -103,11 +116,13 @@ class Embedding(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.pos = nn.Embedding(spec.max_seq_len, spec.hidden_size) if spec.position == "learned" else None
+        self.positions: torch.Tensor | None = None  # context parallelism: global positions of the local tokens
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok(tokens)
         if self.pos is not None:
-            x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+            pos = torch.arange(tokens.shape[1]) if self.positions is None else self.positions
+            x = x + self.pos(pos.to(tokens.device))
         return x
 
 
@@ -132,7 +147,7 @@ class Transformer(nn.Module):
             raise ValueError(f"executor.model builds gpt2/llama architectures, not '{spec.arch}'")
         self.spec = spec
         self.embedding: nn.Module | None = Embedding(spec)
-        self.blocks = nn.ModuleDict({str(i): Block(spec) for i in range(spec.num_layers)})
+        self.blocks = nn.ModuleDict({str(i): Block(spec, i) for i in range(spec.num_layers)})
         self.head: nn.Module | None = Head(spec)
         if spec.tied_embeddings:
             self.head.output.weight = self.embedding.tok.weight
@@ -178,7 +193,7 @@ def init_value(name: str, shape: torch.Size, spec: ModelSpec, seed: int) -> torc
     if "norm" in name:
         return torch.ones(shape)
     std = 0.02
-    if name.endswith(("wo.weight", "w2.weight")):
+    if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
         std = 0.02 / math.sqrt(2 * spec.num_layers)
     gen = torch.Generator().manual_seed(_seed_for(name.replace("head.output.weight", "embedding.tok.weight")
                                                   if spec.tied_embeddings else name, seed))

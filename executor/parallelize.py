@@ -13,6 +13,7 @@ from functools import partial
 
 import torch
 import torch.nn as nn
+from meshplan.executor.expert_parallel import is_moe_block, moe_tp_plan, shard_experts
 from meshplan.executor.model import Transformer, init_value, loss_fn
 from meshplan.planner.model_spec import splits_vocab
 from meshplan.planner.plan import ParallelConfig
@@ -84,12 +85,15 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
             parallelize_module(model.embedding, tp_mesh, PrepareModuleOutput(
                 output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True))
     for block in model.blocks.values():
+        moe = is_moe_block(block)  # a MoE feed-forward stays replicated over TP (expert_parallel.moe_tp_plan)
         layer_plan: dict = {
             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         }
-        if spec.mlp == "swiglu":
+        if not moe:
+            layer_plan.update({"feed_forward.w1": ColwiseParallel(),
+                               "feed_forward.w2": RowwiseParallel(output_layouts=seq)})
+        if spec.mlp == "swiglu" and not moe:
             layer_plan["feed_forward.w3"] = ColwiseParallel()
         if sequence_parallel:
             layer_plan.update({
@@ -97,6 +101,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
                 "ffn_norm": SequenceParallel(use_local_output=True),
                 "attention": _gather_sequence(), "feed_forward": _gather_sequence(),
             })
+        if moe:
+            layer_plan.pop("feed_forward", None)
+            layer_plan.update(moe_tp_plan(sequence_parallel))
         parallelize_module(block, tp_mesh, layer_plan)
     if model.head is not None:
         head_plan: dict = {}
@@ -134,11 +141,14 @@ def apply_ac(model: Transformer, recompute: str, num_layers: int) -> None:
             model.blocks[name] = checkpointed_block(model.blocks[name])
 
 
-def apply_dp(model: Transformer, dp_mesh: DeviceMesh, cfg: ParallelConfig) -> None:
+def apply_dp(model: Transformer, dp_mesh: DeviceMesh, cfg: ParallelConfig,
+             edp_mesh: DeviceMesh | None = None) -> None:
     """ZeRO-3: FSDP2 resharding after forward; ZeRO-1/2: FSDP2 keeping parameters gathered between
     forward and backward (optimizer state and gradients sharded); ZeRO-0: replicate (DDP semantics on
     FSDP2's engine, composable with TP DTensors and pipelining). Each block is its own group, so its
-    gradient reduction starts as soon as its backward is done (overlap with the rest of backward)."""
+    gradient reduction starts as soon as its backward is done (overlap with the rest of backward).
+    `edp_mesh` (expert parallelism): each MoE block's experts are wrapped first, over the
+    expert-data-parallel ranks (expert_parallel.shard_experts)."""
     dtype = TORCH_DTYPES[cfg.dtype]
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     if cfg.zero == 0:
@@ -147,6 +157,8 @@ def apply_dp(model: Transformer, dp_mesh: DeviceMesh, cfg: ParallelConfig) -> No
     else:
         wrap = partial(fully_shard, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=cfg.zero >= 3)
     for block in model.blocks.values():
+        if edp_mesh is not None:
+            shard_experts(block, edp_mesh, cfg, wrap)
         wrap(block)
     wrap(model)
 

@@ -22,16 +22,20 @@ import torch.distributed as dist
 import torch.nn as nn
 from meshplan.executor import checkpoint
 from meshplan.executor.checks import check_supported
+from meshplan.executor.context_parallel import apply_cp, cp_context, shard_sequence
 from meshplan.executor.data import Shard as DataShard
 from meshplan.executor.data import SyntheticData, TokenFile
+from meshplan.executor.expert_parallel import apply_ep, expert_meshes
 from meshplan.executor.metrics import Metrics, log, peak_memory_bytes, tensor_bytes, track_cpu_allocations
 from meshplan.executor.model import Transformer
+from meshplan.executor.moe import set_aux_loss_scale
 from meshplan.executor.parallel_dims import ParallelDims, build_parallel_dims
 from meshplan.executor.parallelize import TORCH_DTYPES, apply_ac, apply_dp, apply_tp, materialise, tp_loss
 from meshplan.executor.pipeline import apply_pp, local_stages
 from meshplan.planner.plan import Plan
 from meshplan.planner.report import human_bytes
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 # The LM head's logits are a view (F.linear on 3-D input); nothing modifies them in place.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -148,7 +152,7 @@ def local_grads(params: list[nn.Parameter], replicas: int, exclude: frozenset[in
         shards = 1
         if isinstance(g, DTensor):
             for dim, placement in enumerate(g.placements):
-                if isinstance(placement, Shard):
+                if isinstance(placement, (Shard, _StridedShard)):  # FSDP over TP/EP-sharded dims: strided
                     shards *= g.device_mesh.size(dim)
             g = g.to_local()
         groups.setdefault(0.0 if id(p) in exclude else shards / replicas, []).append(g)
@@ -204,7 +208,7 @@ class Trainer:
         self.schedule = apply_pp(plan, self.dims, self.modules, self._scaled_loss) if p.pp > 1 else None
         self.has_first = any(s.stage == 0 for s in self.stage_plans)
         self.has_last = any(s.stage == len(plan.stages) - 1 for s in self.stage_plans)
-        self.autocast = p.dp == 1 and p.dtype != "fp32"  # with dp > 1 FSDP's MixedPrecisionPolicy casts
+        self.autocast = p.dp * p.cp == 1 and p.dtype != "fp32"  # with dp > 1 FSDP's MixedPrecisionPolicy casts
         rows = p.micro_batch_size * p.num_micro_batches
         if cfg.data:
             source = TokenFile(cfg.data, cfg.data_dtype, plan.model.vocab_size, p.seq_len, p.global_batch_size)
@@ -218,9 +222,14 @@ class Trainer:
             model = Transformer(self.plan.model).keep_layers(*layers)
         if p.tp > 1:
             apply_tp(model, self.dims.mesh["tp"], p.sequence_parallel)
+        if p.cp > 1:  # torchtitan's order: TP -> CP -> EP -> AC -> FSDP
+            apply_cp(model, self.dims.mesh["cp"], p.cp_mode, p.seq_len)
+        ep_meshes = expert_meshes(self.dims.mesh, p) if p.ep > 1 else None
+        if ep_meshes is not None:
+            apply_ep(model, ep_meshes[0])
         apply_ac(model, p.recompute, recompute_layers)
-        if p.dp > 1:
-            apply_dp(model, self.dims.mesh["dp"], p)
+        if p.dp * p.cp > 1:  # gradients averaged over dp x cp
+            apply_dp(model, self.dims.dp_cp_mesh, p, edp_mesh=ep_meshes[1] if ep_meshes else None)
         materialise(model, self.device, self.cfg.seed)
         return model
 
@@ -238,11 +247,12 @@ class Trainer:
             return None, copies
         grid, mine = self.dims.mesh.mesh, None
         for d in range(p.dp):
-            for t in range(p.tp):
-                ranks = [int(grid[first, d, t]), int(grid[last, d, t])]
-                group = dist.new_group(ranks)
-                if self.rank in ranks:
-                    mine = group
+            for c in range(p.cp):
+                for t in range(p.tp):
+                    ranks = [int(grid[first, d, c, t]), int(grid[last, d, c, t])]
+                    group = dist.new_group(ranks)
+                    if self.rank in ranks:
+                        mine = group
         return mine, copies
 
     def _sync_tied(self) -> None:
@@ -274,13 +284,19 @@ class Trainer:
 
     def forward_backward(self, step: int) -> torch.Tensor:
         """Run one global batch; return this rank's mean loss (0 on ranks without the last stage)."""
-        with self.loss_context():  # vocab-parallel loss: its forward and backward (entered once: not reentrant)
+        p = self.plan.parallel
+        cp_mesh = self.dims.mesh["cp"] if p.cp > 1 else None
+        # vocab-parallel loss: its forward and backward (entered once: not reentrant); ring CP: torch's ring SDPA
+        with self.loss_context(), cp_context(cp_mesh, p.cp_mode, p.seq_len, self.device):
             return self._forward_backward(step)
 
     def _forward_backward(self, step: int) -> torch.Tensor:
         p = self.plan.parallel
         x, y = self.data.inputs_targets(step)
         x, y = x.to(self.device), y.to(self.device)
+        x, y = shard_sequence(x, y, p.seq_len, p.cp, self.dims.cp_rank, p.cp_mode)  # this CP rank's tokens
+        # the load-balancing loss's gradient takes the main loss's scale (executor/moe.py)
+        set_aux_loss_scale(self.modules, self.scaler.scale / (1 if self.schedule is not None else p.num_micro_batches))
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
             args = (x,) if self.has_first else ()
@@ -292,7 +308,7 @@ class Trainer:
         model, n = self.modules[0], p.num_micro_batches
         total = torch.zeros((), dtype=torch.float64)
         for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
-            if p.dp > 1 and n > 1:
+            if p.dp * p.cp > 1 and n > 1:
                 if p.zero <= 1:  # accumulate full gradients locally; reduce once at the end (DDP's no_sync)
                     model.set_requires_gradient_sync(i == n - 1)
                 # ZeRO-2/3 reduce-scatter every micro-batch: gradients stay sharded (planner.cost_model.grad_sync)
@@ -309,7 +325,7 @@ class Trainer:
         p = self.plan.parallel
         reduce_partial_grads(self.params)  # before the tied sum and the norm: both read whole gradients
         self._sync_tied()
-        groups = local_grads(self.params, p.dp * p.tp, self.tied_copies)
+        groups = local_grads(self.params, p.dp * p.cp * p.tp, self.tied_copies)
         sq = grad_norm_sq(groups)
         if self.world > 1:
             sq = sq.to(self.device)  # NCCL reduces device tensors only
@@ -344,7 +360,7 @@ class Trainer:
             return float(local)
         t = local.to(self.device, copy=True)
         dist.all_reduce(t)
-        return float(t) / (p.dp * p.tp)
+        return float(t) / (p.dp * p.cp * p.tp)
 
     def run(self) -> list[float]:
         """Train to cfg.steps; return the losses of the steps run here."""
@@ -354,8 +370,8 @@ class Trainer:
         tokens = p.global_batch_size * p.seq_len
         _, mem_source = peak_memory_bytes(self.device)
         log(rank0 and not cfg.quiet, f"executor: {self.world} ranks, mesh pp={p.pp} dp={p.dp} tp={p.tp}, "
-            f"{len(self.plan.stages)} stages, schedule {p.schedule}, zero {p.zero}, recompute {p.recompute}, "
-            f"{p.dtype}; global batch {p.global_batch_size} x {p.seq_len} tokens; steps {start + 1}..{cfg.steps}")
+            f"{len(self.plan.stages)} stages,\n  schedule {p.schedule}, zero {p.zero}, recompute {p.recompute}, "
+            f"{p.dtype};\n  global batch {p.global_batch_size} x {p.seq_len} tokens; steps {start + 1}..{cfg.steps}")
         losses = []
         probe_step = start + 1 if self.device.type == "cpu" and cfg.steps - start >= 3 else None
         peak_tensor_bytes = None
@@ -377,8 +393,9 @@ class Trainer:
                 losses.append(loss)
                 metrics.step(step + 1, loss, dt, tokens, mem, timed=not probe)
                 if rank0 and not cfg.quiet and ((step + 1) % cfg.log_interval == 0 or step + 1 == cfg.steps):
-                    print(f"step {step + 1:>5} | loss {loss:.4f} | grad norm {norm:.3f} | {dt * 1e3:8.1f} ms | "
-                          f"{tokens / dt:10.0f} tok/s | mem {human_bytes(mem)}", flush=True)
+                    # at most 80 columns (gnorm: the gradients' global norm before clipping, as fairseq logs it)
+                    print(f"step {step + 1:>5} | loss {loss:.4f} | gnorm {norm:.3f} | {dt * 1e3:6.1f} ms | "
+                          f"{tokens / dt:6.0f} tok/s | {human_bytes(mem)}", flush=True)
                 if cfg.checkpoint_dir and cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0 \
                         and step + 1 < cfg.steps:
                     self._save(step + 1)
@@ -387,11 +404,14 @@ class Trainer:
         summary = metrics.summary(self.plan.predicted.iteration_time_s, self.cfg.plan_path, peak_tensor_bytes)
         if rank0 and not cfg.quiet and losses:
             measured, predicted = summary["measured_iteration_time_s"], summary["predicted_iteration_time_s"]
-            ratio = f" (measured/predicted {measured / predicted:.2f})" if predicted > 0 else ""
-            tracked = "" if peak_tensor_bytes is None else \
-                f"; peak tensor memory {human_bytes(peak_tensor_bytes)} (step {probe_step + 1}, profiler tracking)"
-            print(f"done: predicted {predicted:.4f} s/iter, measured {measured:.4f} s/iter (median after "
-                  f"warm-up){ratio}; peak memory from {mem_source}{tracked}", flush=True)
+            lines = [f"done: predicted {predicted:.4f} s/iter, measured {measured:.4f} s/iter (median after warm-up)"]
+            if predicted > 0:
+                lines.append(f"      measured/predicted {measured / predicted:.2f}")
+            lines.append(f"      memory in the step lines: {mem_source}")
+            if peak_tensor_bytes is not None:
+                lines.append(f"      peak tensor memory {human_bytes(peak_tensor_bytes)} (step {probe_step + 1}, "
+                             "every op tracked)")
+            print("\n".join(lines), flush=True)
         return losses
 
     def _peak_memory(self) -> int:

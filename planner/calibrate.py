@@ -43,7 +43,7 @@ def predict(plan: Plan, profile: Profile) -> float:
     p = plan.parallel
     constraints = Constraints(global_batch_size=p.global_batch_size, seq_len=p.seq_len, dtype=p.dtype)
     search = Search(plan.model, plan.cluster, constraints, profile)
-    order = tuple(plan.placement.order) if plan.placement else ("pp", "dp", "tp")
+    order = tuple(d for d in plan.placement.order if d != "cp") if plan.placement else ("pp", "dp", "tp")
     cand = Candidate(dp=p.dp, tp=p.tp, pp=p.pp, v=p.virtual_stages, schedule=p.schedule, b=p.micro_batch_size,
                      m=p.num_micro_batches, zero=p.zero, recompute=p.recompute, order=order)
     bounds = [s.layers[0] for s in plan.stages] + [plan.stages[-1].layers[1]]

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from meshplan.planner.errors import InputError, MeshplanError
-from meshplan.planner.plan import DTYPES, RECOMPUTE, SCHEDULES
+from meshplan.planner.plan import CP_MODES, DTYPES, RECOMPUTE, SCHEDULES
 
 SUBCOMMANDS = ("profile", "show", "export", "calibrate")
 
@@ -29,6 +29,11 @@ MODEL:   a built-in name (gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama2-7b, lla
 CLUSTER: GxTYPE or NxGxTYPE with TYPE one of a100-40gb, a100-80gb, h100-80gb, h200-141gb, cpu;
          Nxcpu (N processes on this host); local (this machine as it is); or a YAML/JSON cluster file
          (`base: 2x8xh100-80gb` plus any field to override).
+
+profiles: predictions for this host's own hardware use its measured profile, cached by `plan profile`
+         ($MESHPLAN_CACHE, else ~/.cache/meshplan). For Nxcpu / local on a CPU-only host with nothing cached,
+         plan measures a small model (up to about gpt-20m) itself first, once; MESHPLAN_AUTO_PROFILE=0 skips
+         that. Otherwise the prediction comes from presets, and stderr says how to measure.
 
 exit codes: 0 plan found, 2 bad input (the message names the field), 3 no plan fits in memory.
 
@@ -87,6 +92,19 @@ def main_parser() -> argparse.ArgumentParser:
     c.add_argument("--dp", type=positive_int, help="data-parallel degree")
     c.add_argument("--tp", type=positive_int, help="tensor-parallel degree (divides heads, stays in a node)")
     c.add_argument("--pp", type=positive_int, help="pipeline-parallel degree")
+    c.add_argument("--cp", type=positive_int,
+                   help="context-parallel degree: each rank holds seq_len/cp tokens of every sequence (the planner "
+                        "tries cp > 1 itself from 8192 tokens on)")
+    c.add_argument("--cp-mode", choices=CP_MODES,
+                   help="context parallelism: ring (ring attention, load-balanced causal split; torch's "
+                        "context_parallel, CUDA only) or all-to-all (DeepSpeed-Ulysses head scatter; CPU and GPU)")
+    c.add_argument("--ep", type=positive_int,
+                   help="expert-parallel degree of a mixture-of-experts model, carved out of dp x cp: each rank "
+                        "holds num_experts/ep experts")
+    c.add_argument("--expert-tp", type=positive_int, help="the experts' tensor-parallel degree: 1 or tp")
+    c.add_argument("--moe-imbalance", type=float, default=1.25, metavar="F",
+                   help="busiest expert-parallel rank's routed tokens over the mean (default 1.25, Switch "
+                        "Transformer's capacity factor)")
     c.add_argument("--virtual-stages", type=positive_int, metavar="V", help="pipeline stages per rank (interleaved)")
     c.add_argument("--schedule", choices=SCHEDULES)
     c.add_argument("--recompute", choices=RECOMPUTE,
@@ -118,8 +136,9 @@ def run_main(argv: Sequence[str]) -> int:
     cluster = parse_cluster(args.cluster)
     constraints = Constraints(
         global_batch_size=args.global_batch_size or max(8, 2 * cluster.world_size), seq_len=args.seq_len,
-        micro_batch_size=args.micro_batch_size, dp=args.dp, tp=args.tp, pp=args.pp,
-        virtual_stages=args.virtual_stages, schedule=args.schedule, recompute=args.recompute, zero=args.zero,
+        micro_batch_size=args.micro_batch_size, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp,
+        cp_mode=args.cp_mode, virtual_stages=args.virtual_stages, schedule=args.schedule, recompute=args.recompute,
+        zero=args.zero, ep=args.ep, expert_tp=args.expert_tp, moe_imbalance=args.moe_imbalance,
         dtype=args.dtype, memory_margin=args.memory_margin, top_k=args.top_k,
     )
     constraints.validate(model, cluster)
@@ -130,7 +149,8 @@ def run_main(argv: Sequence[str]) -> int:
     else:
         from meshplan.profiler.source import profile_for
 
-        profile = profile_for(model, cluster, constraints.dtype)
+        # this host's CPUs with nothing measured: a small model is measured now (cached), else presets + a note
+        profile = profile_for(model, cluster, constraints.dtype, auto_measure=True, seq_len=args.seq_len)
     considered: list[tuple[float, float, str]] | None = [] if args.pareto else None
     with DelayedProgress("searching plans") as progress:
         plan = find_plan(model, cluster, constraints, profile, progress=progress, considered=considered)
@@ -143,6 +163,12 @@ def run_main(argv: Sequence[str]) -> int:
         write_pareto(considered, chosen, args.pareto, capacity_bytes=plan.cluster.device.memory_bytes,
                      title=f"{model.name} on {cluster.name}: {len(considered)} candidates "
                            "(solved: predicted; pruned: lower bounds)")
+    if not args.profile:
+        from meshplan.profiler.source import preset_note
+
+        note = preset_note(profile, cluster, args.model, args.cluster, constraints.dtype, args.seq_len)
+        if note:
+            print(note, file=sys.stderr, flush=True)
     if args.json:
         print(plan.to_json())
     else:

@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import networkx as nx
 from meshplan.planner.errors import InputError
 from meshplan.planner.fields import Fields
+from meshplan.planner.topology import Topology, build_graph, domain_size
 
 GiB = 1024**3
 MiB = 1024**2
@@ -26,8 +27,14 @@ class DeviceSpec:
     kind: str  # "cuda" or "cpu"
     memory_bytes: int
     peak_flops: dict[str, float]  # dense peak by dtype: fp32, bf16, fp16
-    efficiency: float = 0.5  # achieved / peak matmul throughput assumed for presets (user-overridable)
+    efficiency: float = 0.5  # achieved / peak matmul throughput for large GEMMs (GPUs: measured MAMF)
     memory_bandwidth_Bps: float = 1e12  # for memory-bound work (optimizer step, embedding)
+    # Per-operation preset model (profiler/roofline.py); sm_count 0: not a GPU, FLOPs x efficiency instead.
+    sm_count: int = 0
+    memory_efficiency: float = 0.8  # achievable share of memory_bandwidth_Bps for streaming kernels
+    kernel_launch_s: float = 0.0  # floor per kernel
+    # flash-attention-2 causal fwd+bwd FLOP/s by head size ("hd64", "hd128"): [[seq_len, FLOP/s], ...]
+    attention_flops: dict[str, list[list[float]]] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: dict, path: str) -> DeviceSpec:
@@ -39,15 +46,34 @@ class DeviceSpec:
         eff = f.float("efficiency", min=0.0, default=0.5)
         if not 0 < eff <= 1:
             raise f.fail("efficiency", "a number in (0, 1]", eff)
+        mem_eff = f.float("memory_efficiency", min=0.0, default=0.8)
+        if not 0 < mem_eff <= 1:
+            raise f.fail("memory_efficiency", "a number in (0, 1]", mem_eff)
+        table = f.obj("attention_flops", default={}).data
+        for key, points in table.items():
+            if not isinstance(points, list) or not points or not all(
+                    isinstance(p, list) and len(p) == 2 and all(isinstance(x, (int, float)) and x > 0 for x in p)
+                    for p in points):
+                raise InputError(f"{path}.attention_flops.{key}: expected a list of [seq_len, FLOP/s] pairs")
         return cls(type=f.str("type"), kind=f.str("kind", choices=("cuda", "cpu")),
                    memory_bytes=f.int("memory_bytes", min=1), peak_flops=peak, efficiency=eff,
-                   memory_bandwidth_Bps=f.float("memory_bandwidth_Bps", min=1.0, default=1e12))
+                   memory_bandwidth_Bps=f.float("memory_bandwidth_Bps", min=1.0, default=1e12),
+                   sm_count=f.int("sm_count", min=0, default=0), memory_efficiency=mem_eff,
+                   kernel_launch_s=f.float("kernel_launch_s", min=0.0, default=0.0),
+                   attention_flops={k: [[float(a), float(b)] for a, b in v] for k, v in table.items()})
 
 
 @dataclass(frozen=True)
 class LinkSpec:
-    bandwidth_Bps: float  # bytes/s per device, one direction
-    latency_s: float
+    bandwidth_Bps: float  # bytes/s per device, one direction (datasheet)
+    latency_s: float  # per collective step
+    efficiency: float = 1.0  # the bus bandwidth NCCL reaches over it (nccl-tests busbw) / bandwidth_Bps
+    # all-reduce bus bandwidth by payload as measured, ((bytes, B/s), ...); empty: efficiency at every size
+    busbw_curve: tuple[tuple[float, float], ...] = ()
+
+    @property
+    def bus_Bps(self) -> float:
+        return self.bandwidth_Bps * self.efficiency
 
     @classmethod
     def from_dict(cls, data: dict, path: str) -> LinkSpec:
@@ -55,7 +81,15 @@ class LinkSpec:
         bw = f.float("bandwidth_Bps", min=0.0)
         if bw <= 0:
             raise f.fail("bandwidth_Bps", "a positive number", bw)
-        return cls(bandwidth_Bps=bw, latency_s=f.float("latency_s", min=0.0))
+        eff = f.float("efficiency", min=0.0, default=1.0)
+        if not 0 < eff <= 1:
+            raise f.fail("efficiency", "a number in (0, 1]", eff)
+        curve = f.list("busbw_curve", default=[])
+        if not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, (int, float)) and x > 0
+                                                                        for x in p) for p in curve):
+            raise InputError(f"{path}.busbw_curve: expected a list of [bytes, B/s] pairs")
+        return cls(bandwidth_Bps=bw, latency_s=f.float("latency_s", min=0.0), efficiency=eff,
+                   busbw_curve=tuple((float(a), float(b)) for a, b in curve))
 
 
 def _host_memory_bytes() -> int:
@@ -74,31 +108,112 @@ def _host_memory_bytes() -> int:
 # 180 GB HBM3e (DGX B200: 1,440 GB for 8 GPUs) at 8 TB/s, NVLink5 1.8 TB/s total (900 GB/s per direction),
 # 8x ConnectX-7 400 Gb/s per node (50 GB/s per GPU).
 # Latencies: NCCL all-reduce small-message latency, ~5 us over NVLink, ~10 us over InfiniBand.
+# Per-operation preset model (profiler/roofline.py; figures and quotes in docs/sources/hardware_constants.md):
+# - efficiency: the largest-GEMM throughput measured on the device over its dense peak (MAMF, stas00/
+#   ml-engineering compute/accelerator/README.md): A100 271.2/312, H100 794.5/989 (H200: same die), B200
+#   1745.0/2250.
+# - sm_count: A100 whitepaper 108; H100 whitepaper 132 (H200 same die); B200 148 (public kernels; not in an
+#   NVIDIA document).
+# - attention_flops: flash-attention-2's causal fwd+bwd TFLOP/s, bf16, by sequence length (512-16k) and head
+#   size, read from Dao-AILab/flash-attention assets/flash2_a100_fwd_bwd_benchmark.png and
+#   flash2_h100_fwd_bwd_benchmark.png. No B200 figure is published: H100's x (B200 MAMF / H100 MAMF), a
+#   derived value, marked as such.
+_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+def _fa(hd64: tuple[float, ...], hd128: tuple[float, ...], scale: float = 1.0) -> dict[str, list[list[float]]]:
+    return {"hd64": [[s, r * 1e12 * scale] for s, r in zip(_SEQS, hd64)],
+            "hd128": [[s, r * 1e12 * scale] for s, r in zip(_SEQS, hd128)]}
+
+
+FA2_A100 = _fa((88, 119, 140, 156, 165, 171), (99, 133, 155, 173, 182, 189))
+FA2_H100 = _fa((141, 192, 232, 257, 273, 284), (163, 221, 265, 294, 308, 328))
+FA2_B200_DERIVED = _fa((141, 192, 232, 257, 273, 284), (163, 221, 265, 294, 308, 328), scale=1745.0 / 794.5)
+FA2_GB200_DERIVED = _fa((141, 192, 232, 257, 273, 284), (163, 221, 265, 294, 308, 328), scale=1822.0 / 794.5)
+# - memory_efficiency: BabelStream Triad over the datasheet bandwidth (docs/sources/hardware_constants_2.md):
+#   A100 40GB 1.377/1.555 TB/s (ALCF polaris/02_profiling.md), A100 80GB 1.725/2.039 (ukri-bench
+#   benchmark-BabelStream, Tursa), H100 SXM 2.97/3.35 and H200 4.18/4.8 (Azure/AI-benchmarking-guide ND v5
+#   results). B200: no measurement published; H200's share assumed.
+# - kernel_launch_s: cudaLaunchKernel's mean host time on A100, 3.50 us over 501 calls (ALCF nsys profile);
+#   3.0-3.3 us on GB200 (meta-pytorch/tritonbench PR #1017).
+LAUNCH_S = 3.5e-6
+
+
+def _gpu(name: str, mem: int, peak: dict[str, float], hbm: float, mamf: float, sms: int,
+         fa: dict[str, list[list[float]]], hbm_share: float) -> DeviceSpec:
+    return DeviceSpec(name, "cuda", mem, peak, efficiency=mamf, memory_bandwidth_Bps=hbm, sm_count=sms,
+                      memory_efficiency=hbm_share, kernel_launch_s=LAUNCH_S, attention_flops=fa)
+
+
+_A100 = {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12}
+_H100 = {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12}
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
-    "a100-40gb": DeviceSpec("a100-40gb", "cuda", 40960 * MiB, {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12},
-                            memory_bandwidth_Bps=1.555e12),
-    "a100-80gb": DeviceSpec("a100-80gb", "cuda", 81920 * MiB, {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12},
-                            memory_bandwidth_Bps=2.039e12),
-    "h100-80gb": DeviceSpec("h100-80gb", "cuda", 81559 * MiB, {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12},
-                            memory_bandwidth_Bps=3.35e12),
-    "h200-141gb": DeviceSpec("h200-141gb", "cuda", 143771 * MiB, {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12},
-                             memory_bandwidth_Bps=4.8e12),
-    "b200-180gb": DeviceSpec("b200-180gb", "cuda", 180 * 1000**3, {"fp32": 80e12, "bf16": 2250e12, "fp16": 2250e12},
-                             memory_bandwidth_Bps=8e12),
+    "a100-40gb": _gpu("a100-40gb", 40960 * MiB, _A100, 1.555e12, 271.2 / 312, 108, FA2_A100, 1.377 / 1.555),
+    "a100-80gb": _gpu("a100-80gb", 81920 * MiB, _A100, 2.039e12, 271.2 / 312, 108, FA2_A100, 1.725 / 2.039),
+    "h100-80gb": _gpu("h100-80gb", 81559 * MiB, _H100, 3.35e12, 794.5 / 989, 132, FA2_H100, 2.97 / 3.35),
+    "h200-141gb": _gpu("h200-141gb", 143771 * MiB, _H100, 4.8e12, 794.5 / 989, 132, FA2_H100, 4.18 / 4.8),
+    "b200-180gb": _gpu("b200-180gb", 180 * 1000**3, {"fp32": 80e12, "bf16": 2250e12, "fp16": 2250e12}, 8e12,
+                       1745.0 / 2250, 148, FA2_B200_DERIVED, 4.18 / 4.8),
+    # GB200 NVL72 (nvidia.com gb200-nvl72: 360 PFLOP/s sparse BF16 per 72 GPUs -> 2,500 dense each; 186 GB
+    # HBM3e at 8 TB/s; FP32 80, ml-engineering); MAMF 1822.0 (ml-engineering L358); SMs and HBM share as B200.
+    "gb200-186gb": _gpu("gb200-186gb", 186 * 1000**3, {"fp32": 80e12, "bf16": 2500e12, "fp16": 2500e12}, 8e12,
+                        1822.0 / 2500, 148, FA2_GB200_DERIVED, 4.18 / 4.8),
     # A CPU "device" is one process; its memory is this host's RAM shared by the processes of a node
     # (set in parse_cluster). FLOP/s: a nominal few-core AVX2 figure; the profiler measures the real one.
     "cpu": DeviceSpec("cpu", "cpu", 16 * GiB, {"fp32": 1e11, "bf16": 2e10, "fp16": 1e10}, efficiency=0.3,
                       memory_bandwidth_Bps=2e10),
 }
 
+# Links, per GPU and direction: datasheet bandwidth, latency per ring step, and the bus bandwidth NCCL reaches
+# over it as a share of the datasheet figure (nccl-tests' busbw, "the speed of the hardware bottleneck";
+# docs/sources/hardware_constants.md §4, hardware_constants_2.md §3-4):
+# - NVLink: A100 300 GB/s, H100/H200 450, B200 900. Ring all-reduce busbw over 8 GPUs at 8-16 GiB (NVLS
+#   off): A100 234.89 GB/s, H200 367.2 (H100: the same NVLink4 / NVSwitch), B200 682.2
+#   (stas00/ml-engineering network/README.md).
+# - InfiniBand per GPU NIC: HDR 200 Gb/s = 25 GB/s, ~24 "on perfect setups" (nccl-tests #160; NVIDIA/nccl
+#   #812: 192 GB/s all-reduce busbw with 8x HDR); NDR 400 Gb/s = 50 GB/s, 46-48 per NIC (nccl-tests #290).
+# - Latency per ring step, NCCL's tuning model (NVIDIA/nccl src/graph/tuning.cc, LL128): NVLink 1.9 us,
+#   network 4.0 us.
+_NVLINK_LAT, _NET_LAT = 1.9e-6, 4.0e-6
+# All-reduce busbw by payload inside one 8-GPU node (stas00/ml-engineering network/README.md @744d01e1,
+# "Real network throughput"): A100, nccl-tests all_reduce_perf 32 KiB-16 GiB; H200, all_reduce_bench.py with
+# NCCL's defaults (NVLS on: 482 GB/s at 16 GiB; H100 has the same NVLink4 / NVSwitch); B200, all_reduce_bench.py
+# on one P6-B200 node (nccl 2.27.7). Payloads are 32 KiB x 2^i.
+_SIZES = [32768 * 2**i for i in range(20)]
+
+
+def _curve(gbps: tuple[float, ...]) -> tuple[tuple[float, float], ...]:
+    return tuple((float(s), g * 1e9) for s, g in zip(_SIZES, gbps))
+
+
+A100_BUSBW = _curve((1.31, 2.45, 4.43, 7.47, 11.41, 18.00, 36.18, 72.33, 109.93, 106.16, 138.49, 171.54, 176.92,
+                     194.07, 222.72, 229.04, 231.41, 233.88, 234.61, 234.89))
+H200_BUSBW = _curve((1.44, 2.93, 5.73, 11.74, 23.94, 39.93, 64.53, 107.16, 155.53, 219.89, 275.84, 346.51, 401.93,
+                     436.15, 450.29, 463.58, 469.17, 473.10, 477.45, 482.26))
+B200_BUSBW = _curve((1.20, 2.17, 4.86, 9.54, 18.71, 36.06, 63.09, 76.48, 126.49, 254.96, 325.97, 400.60, 568.38,
+                     646.11, 688.99, 723.34, 734.97, 740.64, 839.07, 845.67))
+_HDR = LinkSpec(25e9, _NET_LAT, 24 / 25)
+_NDR = LinkSpec(50e9, _NET_LAT, 47 / 50)
 LINK_PRESETS: dict[str, tuple[LinkSpec, LinkSpec]] = {  # (intra-node, inter-node)
-    "a100-40gb": (LinkSpec(300e9, 5e-6), LinkSpec(25e9, 10e-6)),
-    "a100-80gb": (LinkSpec(300e9, 5e-6), LinkSpec(25e9, 10e-6)),
-    "h100-80gb": (LinkSpec(450e9, 5e-6), LinkSpec(50e9, 10e-6)),
-    "h200-141gb": (LinkSpec(450e9, 5e-6), LinkSpec(50e9, 10e-6)),
-    "b200-180gb": (LinkSpec(900e9, 5e-6), LinkSpec(50e9, 10e-6)),
+    "a100-40gb": (LinkSpec(300e9, _NVLINK_LAT, 234.89 / 300, A100_BUSBW), _HDR),
+    "a100-80gb": (LinkSpec(300e9, _NVLINK_LAT, 234.89 / 300, A100_BUSBW), _HDR),
+    "h100-80gb": (LinkSpec(450e9, _NVLINK_LAT, 367.2 / 450, H200_BUSBW), _NDR),
+    "h200-141gb": (LinkSpec(450e9, _NVLINK_LAT, 367.2 / 450, H200_BUSBW), _NDR),
+    "b200-180gb": (LinkSpec(900e9, _NVLINK_LAT, 682.2 / 900, B200_BUSBW), _NDR),
+    # NVL72: NVLink5 across the rack; ring all-reduce busbw 680 GB/s (NVIDIA GTC slide cited in
+    # ml-engineering network/README.md L957); one ConnectX-7 400 Gb/s per GPU (DGX GB200 user guide).
+    "gb200-186gb": (LinkSpec(900e9, _NVLINK_LAT, 680 / 900), _NDR),
     # gloo over loopback TCP: a few GB/s, tens of microseconds (measured by the profiler when present).
     "cpu": (LinkSpec(2e9, 50e-6), LinkSpec(1e9, 100e-6)),
+}
+# Scalable units of NVIDIA's DGX SuperPOD reference architectures (a non-blocking, rail-optimised fat tree):
+# 20 DGX A100 per SU, 32 DGX H100/H200/B200 per SU.
+TOPOLOGY_PRESETS: dict[str, Topology] = {
+    "a100-40gb": Topology(nodes_per_leaf=20), "a100-80gb": Topology(nodes_per_leaf=20),
+    "h100-80gb": Topology(nodes_per_leaf=32), "h200-141gb": Topology(nodes_per_leaf=32),
+    "b200-180gb": Topology(nodes_per_leaf=32), "cpu": Topology(),
+    # 18 compute trays of 4 GPUs in one NVLink domain; the DGX GB200 SuperPOD SU is 8 racks (576 GPUs).
+    "gb200-186gb": Topology(nvlink_domain=72, nodes_per_leaf=144),
 }
 
 
@@ -110,6 +225,7 @@ class ClusterSpec:
     device: DeviceSpec
     intra_node: LinkSpec
     inter_node: LinkSpec
+    topology: Topology = Topology()
 
     @property
     def world_size(self) -> int:
@@ -118,33 +234,26 @@ class ClusterSpec:
     def node_of(self, rank: int) -> int:
         return rank // self.devices_per_node
 
+    def domain_of(self, rank: int) -> int:
+        """NVLink domain of a rank (one node unless the topology says more, e.g. NVL72)."""
+        return rank // domain_size(self.topology, self.devices_per_node)
+
     def link(self, a: int, b: int) -> LinkSpec:
-        """The link class between two global ranks."""
-        return self.intra_node if self.node_of(a) == self.node_of(b) else self.inter_node
+        """The link class between two global ranks: NVLink inside a domain, else the NIC."""
+        return self.intra_node if self.domain_of(a) == self.domain_of(b) else self.inter_node
 
     def graph(self) -> nx.Graph:
-        """Devices joined by one switch per node (NVSwitch / shared memory) and one fabric (InfiniBand /
-        TCP) that every device reaches through its own NIC, as in a DGX. Edges carry `bandwidth_Bps`,
-        `latency_s` (half the link's latency per hop) and `link`; the lowest-latency path between two
-        devices crosses exactly their link class. Linear in the number of devices (3072 GPUs: ~6k edges).
-        """
-        g = nx.Graph(name=self.name)
-        g.add_node("fabric", kind="fabric")
-        for n in range(self.num_nodes):
-            switch = f"node{n}"
-            g.add_node(switch, kind="switch", node=n)
-            for d in range(self.devices_per_node):
-                rank = n * self.devices_per_node + d
-                g.add_node(rank, kind="device", node=n, local_rank=d, memory_bytes=self.device.memory_bytes)
-                g.add_edge(rank, switch, bandwidth_Bps=self.intra_node.bandwidth_Bps,
-                           latency_s=self.intra_node.latency_s / 2, link="intra_node")
-                if self.num_nodes > 1:
-                    g.add_edge(rank, "fabric", bandwidth_Bps=self.inter_node.bandwidth_Bps,
-                               latency_s=self.inter_node.latency_s / 2, link="inter_node")
-        return g
+        """GPUs, NVLink domains, per-GPU NICs on rail leaves, spine (planner/topology.py). Linear in the
+        number of devices (3072 GPUs: ~6k edges)."""
+        return build_graph(self.name, self.num_nodes, self.devices_per_node, self.topology,
+                           self.intra_node.bandwidth_Bps, self.intra_node.latency_s, self.inter_node.bandwidth_Bps,
+                           self.inter_node.latency_s, self.device.memory_bytes)
 
     def to_dict(self) -> dict:
-        return asdict(self) | {"world_size": self.world_size}
+        data = asdict(self) | {"world_size": self.world_size}
+        for link in ("intra_node", "inter_node"):  # tuples of the frozen spec as JSON reads them back
+            data[link]["busbw_curve"] = [list(p) for p in data[link]["busbw_curve"]]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict, path: str = "cluster") -> ClusterSpec:
@@ -154,7 +263,12 @@ class ClusterSpec:
             device=DeviceSpec.from_dict(f.obj("device").data, f"{path}.device"),
             intra_node=LinkSpec.from_dict(f.obj("intra_node").data, f"{path}.intra_node"),
             inter_node=LinkSpec.from_dict(f.obj("inter_node").data, f"{path}.inter_node"),
+            topology=Topology.from_dict(f.obj("topology", default={}).data, f"{path}.topology"),
         )
+        dom = domain_size(spec.topology, spec.devices_per_node)
+        if dom % spec.devices_per_node or spec.world_size % dom:
+            raise InputError(f"{path}.topology.nvlink_domain: expected a multiple of devices_per_node "
+                             f"({spec.devices_per_node}) that divides the world size {spec.world_size}, got {dom}")
         if "world_size" in data and f.int("world_size", min=1) != spec.world_size:
             raise f.fail("world_size", f"{spec.world_size} (num_nodes x devices_per_node)", data["world_size"])
         return spec
@@ -173,7 +287,15 @@ def preset_cluster(num_nodes: int, devices_per_node: int, device_type: str, name
     intra, inter = LINK_PRESETS[device_type]
     label = f"{devices_per_node}x{device_type}"
     label = name or (f"{num_nodes}x{label}" if num_nodes > 1 else label)
-    return ClusterSpec(label, num_nodes, devices_per_node, device, intra, inter)
+    topo = TOPOLOGY_PRESETS.get(device_type, Topology())
+    world = num_nodes * devices_per_node
+    if topo.nvlink_domain and world < topo.nvlink_domain:
+        topo = replace(topo, nvlink_domain=world)  # a part of one rack: all in the domain
+    if topo.nvlink_domain and (topo.nvlink_domain % devices_per_node or world % topo.nvlink_domain):
+        raise InputError(f"CLUSTER: {device_type} comes in NVLink domains of {topo.nvlink_domain} GPUs; "
+                         f"expected a multiple of {topo.nvlink_domain} devices in nodes that divide it, got "
+                         f"{num_nodes}x{devices_per_node}")
+    return ClusterSpec(label, num_nodes, devices_per_node, device, intra, inter, topo)
 
 
 def local_cluster() -> ClusterSpec:
@@ -185,7 +307,9 @@ def local_cluster() -> ClusterSpec:
         props = torch.cuda.get_device_properties(0)
         gib = props.total_memory / GiB
         title = props.name.upper()
-        if "B200" in title:
+        if "GB200" in title:
+            dtype = "gb200-186gb"
+        elif "B200" in title:
             dtype = "b200-180gb"
         elif "H200" in title:
             dtype = "h200-141gb"

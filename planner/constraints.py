@@ -9,6 +9,13 @@ from meshplan.planner.errors import InputError
 from meshplan.planner.model_spec import ModelSpec
 
 
+def check_seq_len(model: ModelSpec, seq: int) -> None:
+    """Only learned positions bound the sequence (a table of max_seq_len rows); rotary positions extend to
+    any length. `plan` and `plan profile` share this check."""
+    if model.position == "learned" and seq > model.max_seq_len:
+        raise InputError(f"--seq-len: {seq} exceeds the model's {model.max_seq_len} learned positions")
+
+
 @dataclass
 class Constraints:
     """Search inputs and pins. None means "the planner chooses"."""
@@ -23,9 +30,50 @@ class Constraints:
     schedule: str | None = None
     recompute: str | None = None
     zero: int | None = None
+    cp: int | None = None  # context parallelism degree (planner/cost_cp.py)
+    cp_mode: str | None = None  # "ring" | "all-to-all"
+    ep: int | None = None  # expert parallelism degree, carved out of dp x cp (planner/cost_ep.py)
+    expert_tp: int | None = None  # the experts' tensor-parallel degree: 1 or tp
+    moe_imbalance: float = 1.25  # busiest EP rank's routed rows over the mean (cost_ep.DEFAULT_IMBALANCE)
     dtype: str = "bf16"
     memory_margin: float = 0.1  # fraction of device memory kept free for fragmentation and workspace
     top_k: int = 3
+
+    def _validate_cp(self, model: ModelSpec) -> None:
+        """--cp / --cp-mode: what the pinned context parallelism needs of the sequence and the heads."""
+        seq = self.effective_seq_len(model)
+        if self.cp is None or self.cp == 1:
+            return
+        if self.cp_mode in (None, "ring") and seq % (2 * self.cp):
+            if self.cp_mode == "ring" or seq % self.cp:
+                raise InputError(f"--cp: ring context parallelism splits the sequence into 2 x cp = {2 * self.cp} "
+                                 f"load-balanced chunks; {seq} is not a multiple")
+        if self.cp_mode == "all-to-all":
+            tp = self.tp or 1
+            if seq % self.cp or model.num_heads % (tp * self.cp) or model.num_kv_heads % (tp * self.cp):
+                raise InputError(f"--cp: all-to-all context parallelism scatters heads: tp x cp = {tp * self.cp} must "
+                                 f"divide the model's {model.num_heads} attention and {model.num_kv_heads} key/value "
+                                 f"heads, and cp the sequence length {seq}")
+
+    def _validate_ep(self, model: ModelSpec) -> None:
+        """--ep / --expert-tp / --moe-imbalance against the model's experts."""
+        if self.moe_imbalance < 1:
+            raise InputError(f"--moe-imbalance: expected a factor >= 1, got {self.moe_imbalance}")
+        if model.moe is None:
+            if (self.ep or 1) > 1 or (self.expert_tp or 1) > 1:
+                raise InputError(f"--ep/--expert-tp: {model.name} is dense (no experts to shard)")
+            return
+        e = model.moe.num_experts
+        if self.ep is not None and e % self.ep:
+            raise InputError(f"--ep: {self.ep} must divide the model's {e} experts")
+        if self.ep is not None and self.dp is not None and (self.dp * (self.cp or 1)) % self.ep:
+            raise InputError(f"--ep: {self.ep} must divide dp x cp = {self.dp * (self.cp or 1)} (EP is carved out of "
+                             "the data-parallel ranks)")
+        if self.expert_tp is not None and self.expert_tp != 1 and self.tp is not None and self.expert_tp != self.tp:
+            raise InputError(f"--expert-tp: expected 1 or --tp ({self.tp}), got {self.expert_tp}")
+        if self.expert_tp is not None and model.moe.expert_ffn_hidden_size % self.expert_tp:
+            raise InputError(f"--expert-tp: {self.expert_tp} must divide the experts' width "
+                             f"{model.moe.expert_ffn_hidden_size}")
 
     def effective_seq_len(self, model: ModelSpec) -> int:
         return self.seq_len if self.seq_len is not None else model.max_seq_len
@@ -45,17 +93,21 @@ class Constraints:
             if self.tp > cluster.devices_per_node:
                 raise InputError(f"--tp: {self.tp} exceeds the {cluster.devices_per_node} devices of a node "
                                  "(tensor parallelism stays inside a node)")
-        for flag, value in (("--dp", self.dp), ("--tp", self.tp), ("--pp", self.pp)):
+        for flag, value in (("--dp", self.dp), ("--tp", self.tp), ("--pp", self.pp), ("--cp", self.cp)):
             if value is not None and world % value:
                 raise InputError(f"{flag}: {value} does not divide the cluster's {world} devices")
-        pinned = [v for v in (self.dp, self.tp, self.pp) if v is not None]
+        pinned = [v for v in (self.dp, self.tp, self.pp, self.cp) if v is not None]
         product = 1
         for v in pinned:
             product *= v
         if world % product:
-            raise InputError(f"--dp/--tp/--pp: their product {product} does not divide the cluster's {world} devices")
-        if len(pinned) == 3 and product != world:
-            raise InputError(f"--dp/--tp/--pp: dp x tp x pp = {product}, expected the cluster's {world} devices")
+            raise InputError(f"--dp/--tp/--pp/--cp: their product {product} does not divide the cluster's {world} "
+                             "devices")
+        if len(pinned) == 4 and product != world:
+            raise InputError(f"--dp/--tp/--pp/--cp: dp x tp x pp x cp = {product}, expected the cluster's {world} "
+                             "devices")
+        self._validate_cp(model)
+        self._validate_ep(model)
         stages = (self.pp or 1) * (self.virtual_stages or 1)
         if stages > len(model.layers):
             raise InputError(f"--pp/--virtual-stages: {stages} pipeline stages for a model of "
@@ -71,8 +123,6 @@ class Constraints:
             if self.micro_batch_size > per_replica or per_replica % self.micro_batch_size:
                 raise InputError(f"--micro-batch-size: {self.micro_batch_size} does not divide the "
                                  f"{per_replica} sequences each data-parallel replica gets per step")
-        seq = self.effective_seq_len(model)
-        if model.position == "learned" and seq > model.max_seq_len:
-            raise InputError(f"--seq-len: {seq} exceeds the model's {model.max_seq_len} learned positions")
+        check_seq_len(model, self.effective_seq_len(model))
         if not 0 <= self.memory_margin < 1:
             raise InputError(f"--memory-margin: expected a fraction in [0, 1), got {self.memory_margin}")

@@ -47,6 +47,10 @@ class Candidate:
     recompute: str  # none | selective | full (the mode; the ILP picks how many blocks per stage)
     recompute_pinned: bool = False  # True: every block uses `recompute` (the user pinned --recompute)
     order: tuple[str, ...] = ("pp", "dp", "tp")
+    cp: int = 1  # context parallelism (planner/cost_cp.py): each rank holds s/cp tokens of every sequence
+    cp_mode: str = "ring"  # ring | all-to-all
+    ep: int = 1  # expert parallelism (planner/cost_ep.py), carved out of dp x cp
+    expert_tp: int = 1  # 1 or tp: the experts' tensor-parallel degree
 
     @property
     def num_stages(self) -> int:
@@ -182,7 +186,7 @@ def grad_sync(cand: Candidate) -> GradSync:
     and torchtitan run them). ZeRO-0/1 reduce once after the last micro-batch (DDP's no_sync), and so
     does every pipelined plan: torch.distributed.pipelining skips the reduction until a stage's last
     backward."""
-    every = cand.zero >= 2 and cand.pp == 1 and cand.dp > 1 and cand.m > 1
+    every = cand.zero >= 2 and cand.pp == 1 and cand.dp * cand.cp > 1 and cand.m > 1
     return GradSync(full_grads=cand.m > 1 and not every, reductions=cand.m if every else 1)
 
 
@@ -244,6 +248,8 @@ def unhidden_share(profile, dp: int, zero: int, num_layers: int, num_stages: int
     layers), or all of it when it was measured in situ (the measurement is the exposed time)."""
     if dp > 1 and profile.wrapper(zero) is not None:
         return 1.0
+    if getattr(profile, "roofline", None) is not None and not profile.roofline.grad_overlap:
+        return 1.0  # the software reduces after the whole backward
     return 1.0 / max(1.0, num_layers / num_stages)
 
 
@@ -272,7 +278,8 @@ def step_sync_time(profile, world: int, links: "Links") -> float:
     if profile.source == "measured" and world == int(profile.settings.get("ranks", 0)):
         one = profile.step_sync_s
     else:
-        link = "inter_node" if "inter_node" in (links.tp, links.pp, links.dp) else "intra_node"
+        used = (links.tp, links.pp, links.dp, links.cp)
+        link = next((c for c in ("inter_leaf", "inter_node") if c in used), "intra_node")
         one = profile.collective_time("all_reduce", 8.0, world, link)
     return 2.0 * one * profile.correction("optimizer")
 
@@ -362,14 +369,15 @@ def step_transients(model: ModelSpec, cand: Candidate, s: int, dtype: str,
                     rank: list[int]) -> Workspace:
     """The Workspace of `cand` with stage k on pipeline rank rank[k] (executor/train.py's step)."""
     tp, pp, S = cand.tp, cand.pp, cand.num_stages
-    shards = cand.dp if cand.zero >= 1 and cand.dp > 1 else 1  # AdamW steps FSDP's shards
+    dp = cand.dp * cand.cp  # FSDP shards over dp x cp
+    shards = dp if cand.zero >= 1 and dp > 1 else 1  # AdamW steps FSDP's shards
     local = tp * shards
     table = vocab_shard(model, tp) * model.hidden_size  # embedding / LM-head weight elements
     grad = STATE_BYTES[dtype][1]
     tied_one = model.tied_embeddings and S == 1
     accumulating = cand.m > 1
     act, emb, opt = [0.0] * pp, [0.0] * pp, [0.0] * pp
-    logits = cand.b * s * vocab_shard(model, tp) * 4.0
+    logits = cand.b * (s // cand.cp) * vocab_shard(model, tp) * 4.0  # a CP rank's logits: its s/cp tokens
     act[rank[-1]] += max(2.0 * logits, logits + (table * grad if accumulating or tied_one else 0.0))
     emb[rank[0]] += table * grad * (3 if tied_one else 1 if accumulating else 0)
     per_layer = [4.0 * layer.params / local for layer in model.layers]
@@ -620,6 +628,14 @@ class Links:
     tp: str
     pp: str
     dp: str
+    cp: str = "intra_node"
+    ep: str = "intra_node"  # the worst EP group's class (planner/cost_ep.ep_link)
+
+    @property
+    def dp_cp(self) -> str:
+        """The flattened dp x cp group that averages gradients: the slower of the two groups' classes (the
+        union of a dp group's cp groups stays inside whatever holds both)."""
+        return next((c for c in ("inter_leaf", "inter_node") if c in (self.dp, self.cp)), "intra_node")
 
 
 class Terms:
@@ -694,10 +710,15 @@ def crossings(rank: list[int], k: int) -> int:
 def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtype: str, links: Links,
                   mem_limit: float, cuts: list[bool], terms: Terms | None = None) -> StageProblem:
     """Coefficients of `cand` for every layer, stage and rank."""
+    from meshplan.planner.cost_cp import add_cp_buffers, cp_terms
+    from meshplan.planner.cost_ep import DEFAULT_IMBALANCE, add_ep_buffers, ep_terms
     from meshplan.planner.plan import stage_rank
 
-    terms = terms or Terms(model, profile, seq_len, dtype)
-    b, tp, dp, pp, v, zero = cand.b, cand.tp, cand.dp, cand.pp, cand.v, cand.zero
+    base = terms or Terms(model, profile, seq_len, dtype)
+    imbalance = getattr(base, "moe_imbalance", DEFAULT_IMBALANCE)  # MoE models (planner/cost_ep.py)
+    terms = ep_terms(cp_terms(base, cand.cp, cand.cp_mode, links.cp), cand, links.ep, imbalance)
+    b, tp, pp, v, zero = cand.b, cand.tp, cand.pp, cand.v, cand.zero
+    dp = cand.dp * cand.cp  # from here on: the ranks that average gradients and shard ZeRO state (dp x cp)
     kinds = [layer.kind for layer in model.layers]
     rows = {k: terms.kind(k, b, tp, cand.schedule) for k in set(kinds)}
     fwd = [rows[k][0] for k in kinds]
@@ -705,7 +726,7 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
     time = [rows[k][0] + rows[k][1] + rows[k][2] for k in kinds]
     act = [rows[k][3] for k in kinds]
     sync = grad_sync(cand)
-    state, opt, dps, gather = terms.per_layer(tp, dp, zero, links.dp, sync)
+    state, opt, dps, gather = terms.per_layer(tp, dp, zero, links.dp_cp, sync)
     rec_time, rec_saving, rec_tp = terms.recompute(b, tp, cand.recompute)
     S = cand.num_stages
     rank = [stage_rank(k, pp, cand.schedule, v) for k in range(S)]
@@ -727,7 +748,8 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
         inflight=inflight, fixed=fixed, mem_limit=mem_limit, weight=cand.m + bubble, bubble=bubble, m=cand.m,
         unhidden=unhidden_share(profile, dp, zero, len(kinds), S), recompute=recompute, cuts=cuts,
         boundary_relief=[r for _, r, _ in splits], hop_wait=[w for _, _, w in splits],
-        ws=step_transients(model, cand, seq_len, dtype, rank),
+        ws=add_ep_buffers(add_cp_buffers(step_transients(model, cand, seq_len, dtype, rank), model, cand, seq_len,
+                                         dtype), model, cand, seq_len, dtype, imbalance),
         grads_idle=grads_idle(state_bytes, cand.m, inflight),
         step_sync=step_sync_time(profile, dp * tp * pp, links),
     )

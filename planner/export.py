@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 
 from meshplan.planner.cli import _Parser
 from meshplan.planner.errors import InputError
+from meshplan.planner.export_cp import deepspeed_cp_config, megatron_cp_args, torchtitan_cp_degrees
+from meshplan.planner.export_moe import deepspeed_moe_note, megatron_moe_args, torchtitan_moe_degrees
 from meshplan.planner.plan import Plan, load_plan
 
 FORMATS = ("megatron", "torchtitan", "deepspeed")
@@ -84,9 +86,12 @@ def to_megatron(plan: Plan, warnings: list[str] | None = None) -> str:
                  "version; fall back to --use-distributed-optimizer (ZeRO-1) if it refuses")
     if p.dtype in ("bf16", "fp16"):
         args.append((f"--{p.dtype}", None))
+    args += megatron_moe_args(plan, warn)
+    args += megatron_cp_args(plan, warn)
     lines = [f"# Megatron-LM arguments for {m.name} on {plan.cluster.name}, from a meshplan plan",
              f"# launch {plan.world_size} processes; Megatron derives data-parallel size "
-             f"{p.dp} = world size / (tp {p.tp} x pp {p.pp})"]
+             f"{p.dp} = world size / (tp {p.tp} x pp {p.pp}"
+             + (f" x cp {p.cp})" if p.cp > 1 else ")")]
     body = [f"{flag} {value}" if value is not None else flag for flag, value in args]
     lines += [line + " \\" for line in body[:-1]] + body[-1:]
     return "\n".join(lines) + "\n"
@@ -167,6 +172,8 @@ def to_torchtitan(plan: Plan, warnings: list[str] | None = None) -> str:
             warn("ZeRO-1 (optimizer-state sharding only): torchtitan shards with FSDP2; exported as "
                  "data_parallel_shard_degree with fsdp_reshard_after_forward='never', which also shards gradients")
     parallelism["tensor_parallel_degree"] = p.tp
+    parallelism.update(torchtitan_moe_degrees(plan, warn))
+    parallelism.update(torchtitan_cp_degrees(plan, warn))
     if p.tp > 1 and not p.sequence_parallel:
         warn("tensor parallel without sequence parallel: torchtitan always shards norms and dropout along the "
              "sequence with TP (sequence parallel on)")
@@ -254,6 +261,8 @@ def to_deepspeed(plan: Plan, warnings: list[str] | None = None) -> str:
         if p.zero >= 2:
             warn(f"ZeRO-{p.zero} with pipeline parallelism: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 "
                  "only")
+    deepspeed_moe_note(plan, warn)
+    config.update(deepspeed_cp_config(plan, warn))
     if p.recompute == "selective":
         warn("recompute selective: DeepSpeed has no selective (attention-only) activation checkpointing setting")
     elif p.recompute == "full" and p.pp == 1:

@@ -9,7 +9,7 @@ from typing import Any
 
 from meshplan.planner.errors import InputError
 from meshplan.planner.jsonio import read_json
-from meshplan.planner.model_spec import LayerSpec, ModelSpec
+from meshplan.planner.model_spec import LayerSpec, ModelSpec, MoESpec
 
 _GPT2 = dict(arch="gpt2", norm="layernorm", mlp="gelu", position="learned", linear_bias=True,
              tied_embeddings=True, vocab_size=50257, norm_eps=1e-5)
@@ -38,9 +38,30 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
                       num_kv_heads=8, ffn_hidden_size=14336, max_seq_len=8192, rope_theta=500000.0),
     "llama3-70b": dict(_LLAMA, vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64,
                        num_kv_heads=8, ffn_hidden_size=28672, max_seq_len=8192, rope_theta=500000.0),
+    # meta-llama/Llama-3.2-1B config.json: 1,235,814,400 parameters, tied embeddings (the GPU check's model)
+    "llama3.2-1b": dict(_LLAMA, vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32,
+                        num_kv_heads=8, ffn_hidden_size=8192, max_seq_len=131072, rope_theta=500000.0,
+                        tied_embeddings=True),
+    # Mixture of experts, from the HF config.json of mistralai/Mixtral-8x7B-v0.1 (46,702,792,704
+    # parameters), mistralai/Mixtral-8x22B-Instruct-v0.1 (vocabulary 32768) and Qwen/Qwen3-30B-A3B
+    # (30,532,122,624; q/k RMSNorm per head, 128 experts of 768, top 8, renormalised).
+    "mixtral-8x7b": dict(_LLAMA, vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                         ffn_hidden_size=14336, max_seq_len=32768, rope_theta=1e6,
+                         moe=MoESpec(num_experts=8, top_k=2, expert_ffn_hidden_size=14336, aux_loss_coef=0.02)),
+    "mixtral-8x22b": dict(_LLAMA, vocab_size=32768, hidden_size=6144, num_layers=56, num_heads=48, num_kv_heads=8,
+                          ffn_hidden_size=16384, max_seq_len=65536, rope_theta=1e6,
+                          moe=MoESpec(num_experts=8, top_k=2, expert_ffn_hidden_size=16384, aux_loss_coef=0.001)),
+    "qwen3-30b-a3b": dict(_LLAMA, vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+                          head_dim=128, ffn_hidden_size=6144, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6,
+                          qk_norm=True,
+                          moe=MoESpec(num_experts=128, top_k=8, expert_ffn_hidden_size=768, aux_loss_coef=0.001)),
     # Test models, small enough to train on a few CPU processes.
     "tiny": dict(_LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
                  ffn_hidden_size=128, max_seq_len=64),
+    # tiny with 8 experts of 32, top 2, its first block dense (so dense and sparse blocks both run).
+    "tiny-moe": dict(_LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                     ffn_hidden_size=128, max_seq_len=64,
+                     moe=MoESpec(num_experts=8, top_k=2, expert_ffn_hidden_size=32, first_dense_layers=1)),
     "gpt-20m": dict(_GPT2, vocab_size=16384, hidden_size=384, num_layers=8, num_heads=6,
                     num_kv_heads=6, ffn_hidden_size=1536, max_seq_len=256),
 }
@@ -67,7 +88,8 @@ def _cfg_int(cfg: dict, path: str, *keys: str, default: Any = None) -> int:
 
 
 def from_hf_config(path: str) -> ModelSpec:
-    """Read a Hugging Face config.json (gpt2, llama, mistral, qwen2) as plain JSON: no download."""
+    """Read a Hugging Face config.json (gpt2, llama, mistral, qwen2; MoE: mixtral, qwen2_moe, qwen3_moe) as
+    plain JSON: no download."""
     cfg = read_json(path, "MODEL")
     if not isinstance(cfg, dict):
         raise InputError(f"{path}: expected a JSON object")
@@ -99,8 +121,71 @@ def from_hf_config(path: str) -> ModelSpec:
             norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             rope_theta=float(cfg.get("rope_theta", 10000.0)),
         )
+    if model_type in MOE_MODEL_TYPES:
+        return _moe_from_hf(cfg, path, name, model_type)
+    if model_type in UNREADABLE_MOE_TYPES:
+        raise InputError(f"{path}: model_type {model_type!r} is not supported yet: "
+                         f"{UNREADABLE_MOE_TYPES[model_type]}")
     raise InputError(
-        f"{path}: field 'model_type': expected one of gpt2, llama, mistral, qwen2, got {model_type!r}"
+        f"{path}: field 'model_type': expected one of gpt2, llama, mistral, qwen2, {', '.join(MOE_MODEL_TYPES)}, "
+        f"got {model_type!r}"
+    )
+
+
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# MoE configs with parts this ModelSpec cannot describe: refused by name rather than read as a wrong model.
+UNREADABLE_MOE_TYPES = {
+    "deepseek_v2": "multi-head latent attention (MLA) and grouped routing are not modelled",
+    "deepseek_v3": "multi-head latent attention (MLA), grouped routing and multi-token prediction are not modelled",
+    "dbrx": "its fused attention and clipped QKV are not modelled",
+    "jamba": "its Mamba layers are not modelled",
+    "granitemoe": "its scaled embeddings and residuals are not modelled",
+    "olmoe": "its per-layer q/k norm over the whole projection is not modelled",
+    "phimoe": "its sparse-mixer routing is not modelled",
+}
+
+
+def _moe_from_hf(cfg: dict, path: str, name: str, model_type: str) -> ModelSpec:
+    """Mixtral (num_local_experts, every block sparse), Qwen2-MoE (a shared expert behind a sigmoid gate,
+    decoder_sparse_step, no top-k renormalisation by default, q/k/v bias), Qwen3-MoE (q/k RMSNorm per head).
+    Field names and defaults as in transformers' configuration_{mixtral,qwen2_moe,qwen3_moe}.py."""
+    heads = _cfg_int(cfg, path, "num_attention_heads")
+    h = _cfg_int(cfg, path, "hidden_size")
+    layers = _cfg_int(cfg, path, "num_hidden_layers")
+    qwen = model_type != "mixtral"
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise InputError(f"{path}: field 'hidden_act': expected 'silu' (SwiGLU experts), got {cfg['hidden_act']!r}")
+    experts = _cfg_int(cfg, path, "num_experts" if qwen else "num_local_experts")
+    first_dense, step = 0, 1
+    if qwen:
+        step = _cfg_int(cfg, path, "decoder_sparse_step", default=1)
+        only = cfg.get("mlp_only_layers") or []
+        if not isinstance(only, list) or sorted(only) != list(range(len(only))):
+            raise InputError(f"{path}: field 'mlp_only_layers': expected the first k layers (0..k-1), got {only!r}")
+        first_dense = len(only)
+    shared_ffn = _cfg_int(cfg, path, "shared_expert_intermediate_size", default=0) \
+        if model_type == "qwen2_moe" else 0
+    moe = MoESpec(
+        num_experts=experts, top_k=_cfg_int(cfg, path, "num_experts_per_tok"),
+        expert_ffn_hidden_size=_cfg_int(cfg, path, "moe_intermediate_size" if qwen else "intermediate_size"),
+        num_shared_experts=1 if shared_ffn else 0, shared_expert_ffn_hidden_size=shared_ffn,
+        shared_expert_gate=bool(shared_ffn), first_dense_layers=first_dense, sparse_step=step,
+        router="softmax", norm_topk_prob=bool(cfg.get("norm_topk_prob", not qwen)),
+        aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001 if qwen else 0.02)),
+    )
+    return ModelSpec(
+        name=name, arch="llama", vocab_size=_cfg_int(cfg, path, "vocab_size"), hidden_size=h,
+        num_layers=layers, num_heads=heads,
+        num_kv_heads=_cfg_int(cfg, path, "num_key_value_heads", default=heads),
+        head_dim=_cfg_int(cfg, path, "head_dim", default=h // heads),
+        ffn_hidden_size=_cfg_int(cfg, path, "intermediate_size"),
+        max_seq_len=_cfg_int(cfg, path, "max_position_embeddings", default=4096),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2_moe" or bool(cfg.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3_moe",
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if qwen else 1e-5)),
+        rope_theta=float(cfg.get("rope_theta", 1e6 if model_type == "mixtral" else 10000.0)),
+        moe=moe,
     )
 
 

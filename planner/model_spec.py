@@ -39,6 +39,69 @@ class LayerSpec:
         )
 
 
+ROUTERS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The mixture-of-experts part of a model (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+    Sparse blocks replace the dense MLP by `num_experts` experts of `expert_ffn_hidden_size` (same MLP
+    kind as the model's) behind a linear router without bias; each token goes to `top_k` of them.
+    `router`: the score function over the router's logits ("softmax" over all experts, as Mixtral and
+    Qwen, or "sigmoid" per expert); `norm_topk_prob`: the k chosen scores renormalised to sum to 1.
+    Optional always-on shared experts (Qwen2-MoE: one MLP of `shared_expert_ffn_hidden_size` in all,
+    scaled by sigmoid(a Linear(h, 1)) when `shared_expert_gate`). Block i (0-based) is sparse when
+    i >= first_dense_layers and (i + 1) % sparse_step == 0 (HF `decoder_sparse_step`).
+    `capacity_factor` None: dropless (every routed token is computed). `aux_loss_coef`: weight of the
+    load-balancing loss (Switch Transformer, Fedus et al. 2022, eq. 4: E · sum_i f_i P_i; their
+    alpha = 1e-2 is the default, HF configs give their own `router_aux_loss_coef`)."""
+
+    num_experts: int
+    top_k: int
+    expert_ffn_hidden_size: int
+    num_shared_experts: int = 0
+    shared_expert_ffn_hidden_size: int = 0  # all shared experts together
+    shared_expert_gate: bool = False
+    first_dense_layers: int = 0
+    sparse_step: int = 1
+    router: str = "softmax"
+    norm_topk_prob: bool = True
+    capacity_factor: float | None = None
+    aux_loss_coef: float = 0.01
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise InputError(f"model.moe.top_k: expected 1..num_experts = {self.num_experts}, got {self.top_k}")
+        if self.router not in ROUTERS:
+            raise InputError(f"model.moe.router: expected one of {', '.join(ROUTERS)}, got {self.router!r}")
+
+    def is_sparse(self, block: int) -> bool:
+        """Whether block `block` (0-based) is a MoE block."""
+        return block >= self.first_dense_layers and (block + 1) % self.sparse_step == 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str = "model.moe") -> MoESpec:
+        f = Fields(data, path)
+        capacity = data.get("capacity_factor")
+        return cls(
+            num_experts=f.int("num_experts", min=1), top_k=f.int("top_k", min=1),
+            expert_ffn_hidden_size=f.int("expert_ffn_hidden_size", min=1),
+            num_shared_experts=f.int("num_shared_experts", min=0, default=0),
+            shared_expert_ffn_hidden_size=f.int("shared_expert_ffn_hidden_size", min=0, default=0),
+            shared_expert_gate=f.bool("shared_expert_gate", default=False),
+            first_dense_layers=f.int("first_dense_layers", min=0, default=0),
+            sparse_step=f.int("sparse_step", min=1, default=1),
+            router=f.str("router", choices=ROUTERS, default="softmax"),
+            norm_topk_prob=f.bool("norm_topk_prob", default=True),
+            capacity_factor=None if capacity is None else f.float("capacity_factor", min=0.0),
+            aux_loss_coef=f.float("aux_loss_coef", min=0.0, default=0.01),
+        )
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Dimensions of a decoder-only transformer plus its layer list.
@@ -68,6 +131,8 @@ class ModelSpec:
     rope_theta: float = 10000.0
     factory: str | None = None
     layers: tuple[LayerSpec, ...] = field(default=())
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    moe: MoESpec | None = None  # None: dense
 
     def __post_init__(self) -> None:
         if self.head_dim == 0 and self.num_heads > 0:
@@ -81,6 +146,19 @@ class ModelSpec:
         return sum(layer.params for layer in self.layers)
 
     @property
+    def active_parameters(self) -> int:
+        """Parameters one token goes through: the total less the experts it is not routed to
+        (top_k of num_experts in each sparse block). Equals num_parameters for a dense model."""
+        if self.moe is None:
+            return self.num_parameters
+        unused = self.moe.num_experts - self.moe.top_k
+        return self.num_parameters - unused * expert_params(self) * len(sparse_blocks(self))
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    @property
     def block_indices(self) -> list[int]:
         return [i for i, layer in enumerate(self.layers) if layer.kind == "block"]
 
@@ -91,6 +169,7 @@ class ModelSpec:
         data = asdict(self)
         data["layers"] = [layer.to_dict() for layer in self.layers]
         data["num_parameters"] = self.num_parameters
+        data["active_parameters"] = self.active_parameters
         return data
 
     @classmethod
@@ -120,6 +199,8 @@ class ModelSpec:
             rope_theta=f.float("rope_theta", min=0.0, default=10000.0),
             factory=f.str("factory", default=None),
             layers=layers,
+            qk_norm=f.bool("qk_norm", default=False),
+            moe=None if data.get("moe") is None else MoESpec.from_dict(f.obj("moe").data, f"{path}.moe"),
         )
         if "num_parameters" in data and f.int("num_parameters", min=0) != spec.num_parameters:
             raise InputError(
@@ -136,7 +217,9 @@ def wrapped_unit_params(spec: ModelSpec, blocks: int) -> list[int]:
     first `blocks` blocks and head: every block, then the root (embedding and head; a tied head's weight
     is the embedding's, which the head's LayerSpec.params already leaves out)."""
     by_kind = {layer.kind: layer.params for layer in spec.layers}
-    return [by_kind["block"]] * blocks + [by_kind["embedding"] + by_kind["head"]]
+    block_sizes = [layer.params for layer in spec.layers if layer.kind == "block"][:blocks]
+    block_sizes += [block_sizes[-1] if block_sizes else 0] * (blocks - len(block_sizes))
+    return block_sizes + [by_kind["embedding"] + by_kind["head"]]
 
 
 def splits_vocab(spec: ModelSpec, tp: int) -> bool:
@@ -150,20 +233,59 @@ def vocab_shard(spec: ModelSpec, tp: int) -> int:
     return spec.vocab_size // tp if splits_vocab(spec, tp) else spec.vocab_size
 
 
-def block_params(spec: ModelSpec) -> int:
-    """Parameters of one transformer block from its dimensions."""
+def mlp_params(spec: ModelSpec, ffn: int) -> int:
+    """Weights of one MLP (or one expert) of hidden size `ffn`, biases included for gpt2."""
+    h = spec.hidden_size
+    swiglu = spec.mlp == "swiglu"
+    weights = (3 if swiglu else 2) * h * ffn
+    return weights + ((2 * ffn if swiglu else ffn) + h if spec.linear_bias else 0)
+
+
+def expert_params(spec: ModelSpec) -> int:
+    """Parameters of one routed expert."""
+    assert spec.moe is not None
+    return mlp_params(spec, spec.moe.expert_ffn_hidden_size)
+
+
+def sparse_blocks(spec: ModelSpec) -> list[int]:
+    """0-based indices of the MoE blocks (none for a dense model)."""
+    if spec.moe is None:
+        return []
+    return [i for i in range(spec.num_layers) if spec.moe.is_sparse(i)]
+
+
+def is_sparse_block(spec: ModelSpec, block: int) -> bool:
+    return spec.moe is not None and spec.moe.is_sparse(block)
+
+
+def moe_ffn_params(spec: ModelSpec) -> dict[str, int]:
+    """The feed-forward of a MoE block by part: router, routed experts (all), shared experts and gate."""
+    moe = spec.moe
+    assert moe is not None
+    h = spec.hidden_size
+    shared = mlp_params(spec, moe.shared_expert_ffn_hidden_size) if moe.num_shared_experts else 0
+    return {"router": h * moe.num_experts, "experts": moe.num_experts * expert_params(spec),
+            "shared_experts": shared, "shared_gate": h if moe.shared_expert_gate else 0}
+
+
+def block_params(spec: ModelSpec, block: int = 0) -> int:
+    """Parameters of transformer block `block` (0-based; MoE models mix dense and sparse blocks)."""
     h, ffn = spec.hidden_size, spec.ffn_hidden_size
     q_dim = spec.num_heads * spec.head_dim
     kv_dim = spec.num_kv_heads * spec.head_dim
     norm = 2 * h if spec.norm == "layernorm" else h
     attn = h * (q_dim + 2 * kv_dim) + q_dim * h
-    mlp = (3 if spec.mlp == "swiglu" else 2) * h * ffn
+    if is_sparse_block(spec, block):
+        mlp = sum(moe_ffn_params(spec).values())
+    else:
+        mlp = mlp_params(spec, ffn)
     bias = 0
     if spec.linear_bias:
-        bias += q_dim + 2 * kv_dim + h + (2 * ffn if spec.mlp == "swiglu" else ffn) + h
+        bias += q_dim + 2 * kv_dim + h
     elif spec.qkv_bias:
         bias += q_dim + 2 * kv_dim
-    return 2 * norm + attn + mlp + bias
+    qk_norm = 2 * spec.head_dim if spec.qk_norm else 0
+    return 2 * norm + attn + mlp + bias + qk_norm
 
 
 def standard_layers(spec: ModelSpec) -> list[LayerSpec]:
@@ -173,7 +295,7 @@ def standard_layers(spec: ModelSpec) -> list[LayerSpec]:
     final_norm = 2 * h if spec.norm == "layernorm" else h
     head_weight = v * h
     layers = [LayerSpec("embedding", "embedding", embed)]
-    layers += [LayerSpec("block", f"block.{i}", block_params(spec)) for i in range(spec.num_layers)]
+    layers += [LayerSpec("block", f"block.{i}", block_params(spec, i)) for i in range(spec.num_layers)]
     if spec.tied_embeddings:
         layers.append(LayerSpec("head", "head", final_norm, tied_params=head_weight))
     else:

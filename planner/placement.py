@@ -4,7 +4,8 @@ TP groups take the fastest links (consecutive ranks inside a node); the remainin
 laid out in the order the search picks: pipeline neighbours next to each other (order dp, pp, tp) or
 data-parallel replicas next to each other (order pp, dp, tp, the default of `init_device_mesh`). The
 link class a dimension's collectives run over is the slowest link inside its worst group, read from the
-cluster's networkx graph (two devices on the same node switch talk over the intra-node link).
+cluster's networkx graph (planner/topology.py): NVLink inside a domain, the NICs across domains, the
+spine across scalable units.
 """
 
 from __future__ import annotations
@@ -16,14 +17,27 @@ import numpy as np
 from meshplan.planner.cluster_spec import ClusterSpec
 from meshplan.planner.cost_model import Links
 from meshplan.planner.model_spec import ModelSpec
+from meshplan.planner.topology import device_levels, group_class
 
-ORDERS: tuple[tuple[str, ...], ...] = (("pp", "dp", "tp"), ("dp", "pp", "tp"))
+# outermost first; context-parallel groups sit between dp and tp: next to TP inside a node / NVLink domain
+# where cp·tp fits, because ring and all-to-all CP communicate every layer (planner/cost_cp.py)
+ORDERS: tuple[tuple[str, ...], ...] = (("pp", "dp", "cp", "tp"), ("dp", "pp", "cp", "tp"))
+MESH_AXES = ("pp", "dp", "cp", "tp")  # the axes of Placement.ranks (the plan's mesh order)
+
+
+def full_order(order: tuple[str, ...]) -> tuple[str, ...]:
+    """An order over the four mesh dims; a three-dim order (pp, dp, tp) gets cp just outside tp."""
+    if "cp" in order:
+        return tuple(order)
+    out = list(order)
+    out.insert(out.index("tp"), "cp")
+    return tuple(out)
 
 
 @dataclass(frozen=True)
 class Placement:
-    """`ranks[i][j][k]` = the global rank at pp index i, dp index j, tp index k; `order` lists the
-    dimensions from outermost (slowest links) to innermost (fastest)."""
+    """`ranks[i][j][c][k]` = the global rank at pp index i, dp index j, cp index c, tp index k; `order`
+    lists the dimensions from outermost (slowest links) to innermost (fastest)."""
 
     order: tuple[str, ...]
     ranks: np.ndarray
@@ -32,13 +46,6 @@ class Placement:
         return {"order": list(self.order), "ranks": self.ranks.tolist()}
 
 
-def node_ids(graph: nx.Graph, world: int) -> np.ndarray:
-    """Node (switch) of every device, read from the graph's device → switch edges."""
-    ids = np.zeros(world, dtype=np.int64)
-    for rank in range(world):
-        switch = next(n for n in graph.neighbors(rank) if graph.nodes[n].get("kind") == "switch")
-        ids[rank] = graph.nodes[switch]["node"]
-    return ids
 
 
 class Placer:
@@ -47,39 +54,34 @@ class Placer:
     def __init__(self, cluster: ClusterSpec):
         self.cluster = cluster
         self.graph = cluster.graph()
-        self.nodes = node_ids(self.graph, cluster.world_size)
+        self.domains, self.sus = device_levels(self.graph, cluster.world_size)
         self._links: dict[tuple, Links] = {}
 
-    def place(self, pp: int, dp: int, tp: int, order: tuple[str, ...]) -> Placement:
-        sizes = {"pp": pp, "dp": dp, "tp": tp}
-        grid = np.arange(pp * dp * tp).reshape([sizes[d] for d in order])
-        axes = [order.index(d) for d in ("pp", "dp", "tp")]
+    def place(self, pp: int, dp: int, tp: int, order: tuple[str, ...], cp: int = 1) -> Placement:
+        order = full_order(order)
+        sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+        grid = np.arange(pp * dp * cp * tp).reshape([sizes[d] for d in order])
+        axes = [order.index(d) for d in MESH_AXES]
         return Placement(order, grid.transpose(axes))
 
-    def links(self, pp: int, dp: int, tp: int, order: tuple[str, ...]) -> Links:
-        key = (pp, dp, tp, order)
+    def links(self, pp: int, dp: int, tp: int, order: tuple[str, ...], cp: int = 1) -> Links:
+        key = (pp, dp, tp, full_order(order), cp)
         if key not in self._links:
-            nodes = self.nodes[self.place(pp, dp, tp, order).ranks]
-            self._links[key] = Links(tp=_class(nodes, 2), pp=_class(nodes, 0), dp=_class(nodes, 1))
+            ranks = self.place(pp, dp, tp, order, cp).ranks
+            dom, su = self.domains[ranks], self.sus[ranks]
+            self._links[key] = Links(tp=group_class(dom, su, 3), pp=group_class(dom, su, 0),
+                                     dp=group_class(dom, su, 1), cp=group_class(dom, su, 2))
         return self._links[key]
 
-    def orders(self, pp: int, dp: int, tp: int) -> list[tuple[str, ...]]:
+    def orders(self, pp: int, dp: int, tp: int, cp: int = 1) -> list[tuple[str, ...]]:
         """Orders that differ in link classes (the default first); equal ones would be duplicates."""
         seen, out = set(), []
         for order in ORDERS:
-            links = self.links(pp, dp, tp, order)
+            links = self.links(pp, dp, tp, order, cp)
             if links not in seen:
                 seen.add(links)
                 out.append(order)
         return out
-
-
-def _class(nodes: np.ndarray, axis: int) -> str:
-    """inter_node if any group along `axis` spans two nodes."""
-    if nodes.shape[axis] <= 1:
-        return "intra_node"
-    spread = nodes.max(axis=axis) != nodes.min(axis=axis)
-    return "inter_node" if bool(spread.any()) else "intra_node"
 
 
 def model_graph(model: ModelSpec) -> nx.DiGraph:

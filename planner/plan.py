@@ -1,12 +1,14 @@
-"""Plan JSON, schema_version 1 (DESIGN.md §3): the only thing the executor reads.
+"""Plan JSON, schema_version 2 (DESIGN.md §3): the only thing the executor reads.
 
 `load_plan` validates everything the executor relies on and rejects a bad file with a message that
-names the field; `save_plan` writes atomically.
+names the field; `save_plan` writes atomically. Version 1 files (mesh [pp, dp, tp]) still load, as
+cp = ep = 1.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 from meshplan.planner.cluster_spec import ClusterSpec
@@ -15,11 +17,13 @@ from meshplan.planner.fields import Fields
 from meshplan.planner.jsonio import read_json, write_atomic
 from meshplan.planner.model_spec import ModelSpec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+CP_MODES = ("ring", "all-to-all")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("fp32", "bf16", "fp16")
-MESH_DIMS = ["pp", "dp", "tp"]
+MESH_DIMS = ["pp", "dp", "cp", "tp"]
 
 
 @dataclass
@@ -37,10 +41,19 @@ class ParallelConfig:
     recompute: str
     dtype: str
     sequence_parallel: bool = False
+    cp: int = 1
+    cp_mode: str = "ring"
+    ep: int = 1
+    expert_tp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks that hold the same experts: EP is carved out of dp·cp (DESIGN.md §3)."""
+        return self.dp * self.cp // self.ep
 
     @property
     def num_stages(self) -> int:
@@ -56,7 +69,13 @@ class ParallelConfig:
             num_micro_batches=f.int("num_micro_batches", min=1), global_batch_size=f.int("global_batch_size", min=1),
             seq_len=f.int("seq_len", min=1), recompute=f.str("recompute", choices=RECOMPUTE),
             dtype=f.str("dtype", choices=DTYPES), sequence_parallel=f.bool("sequence_parallel", default=False),
+            cp=f.int("cp", min=1, default=1), cp_mode=f.str("cp_mode", choices=CP_MODES, default="ring"),
+            ep=f.int("ep", min=1, default=1), expert_tp=f.int("expert_tp", min=1, default=1),
         )
+        if (cfg.dp * cfg.cp) % cfg.ep:
+            raise f.fail("ep", f"a divisor of dp x cp = {cfg.dp * cfg.cp}", cfg.ep)
+        if cfg.expert_tp not in (1, cfg.tp):
+            raise f.fail("expert_tp", f"1 or tp = {cfg.tp}", cfg.expert_tp)
         if cfg.zero > 3:
             raise f.fail("zero", "0, 1, 2 or 3", cfg.zero)
         if cfg.dp * cfg.micro_batch_size * cfg.num_micro_batches != cfg.global_batch_size:
@@ -81,8 +100,8 @@ class MeshSpec:
         if names != MESH_DIMS:
             raise f.fail("dim_names", str(MESH_DIMS), names)
         shape = f.list("shape")
-        if len(shape) != 3 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape):
-            raise f.fail("shape", "three positive integers", shape)
+        if len(shape) != 4 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape):
+            raise f.fail("shape", "four positive integers", shape)
         return cls(names, shape)
 
 
@@ -120,12 +139,16 @@ class Predicted:
     bubble_fraction: float
     peak_memory_bytes: float
     mfu: float
+    # Seconds per iteration that each communication term adds to the critical path (not hidden behind
+    # compute), keyed by term: "tp", "pp", "dp", "fsdp_gather", "cp", "ep".
+    exposed_communication_s: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: dict, path: str) -> Predicted:
         f = Fields(data, path)
         return cls(**{k: f.float(k, min=0.0) for k in
-                      ("iteration_time_s", "tokens_per_s", "bubble_fraction", "peak_memory_bytes", "mfu")})
+                      ("iteration_time_s", "tokens_per_s", "bubble_fraction", "peak_memory_bytes", "mfu")},
+                   exposed_communication_s=f.number_map("exposed_communication_s", default={}))
 
 
 @dataclass
@@ -157,10 +180,10 @@ class SearchStats:
 
 @dataclass
 class Placement:
-    """Optional: which global rank holds each mesh position. `ranks[i][j][k]` is the rank at pp index i,
-    dp index j, tp index k (build the mesh with `DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)`);
-    `order` names the dimensions from outermost (slowest links) to innermost. Absent: `init_device_mesh`
-    order, i.e. ranks laid out row-major over [pp, dp, tp]."""
+    """Optional: which global rank holds each mesh position. `ranks[i][j][c][k]` is the rank at pp index i,
+    dp index j, cp index c, tp index k (build the mesh with `DeviceMesh(device_type, ranks,
+    mesh_dim_names=MESH_DIMS)`); `order` names the dimensions from outermost (slowest links) to innermost.
+    Absent: `init_device_mesh` order, i.e. ranks laid out row-major over [pp, dp, cp, tp]."""
 
     order: list[str]
     ranks: list
@@ -173,16 +196,16 @@ class Placement:
             raise f.fail("order", f"a permutation of {MESH_DIMS}", order)
         ranks = f.list("ranks")
         flat: list = []
-        ok = len(ranks) == shape[0]
-        for row in ranks if ok else []:
-            ok = ok and isinstance(row, list) and len(row) == shape[1]
-            for col in row if ok else []:
-                ok = ok and isinstance(col, list) and len(col) == shape[2]
-                flat.extend(col if ok else [])
-        if not ok or sorted(x if isinstance(x, int) and not isinstance(x, bool) else -1 for x in flat) \
-                != list(range(shape[0] * shape[1] * shape[2])):
-            raise f.fail("ranks", f"a {shape} nested list holding each rank 0..{shape[0] * shape[1] * shape[2] - 1}"
-                         " once", "another value")
+
+        def walk(node: object, depth: int) -> bool:
+            if depth == len(shape):
+                flat.append(node if isinstance(node, int) and not isinstance(node, bool) else -1)
+                return True
+            return isinstance(node, list) and len(node) == shape[depth] and all(walk(x, depth + 1) for x in node)
+
+        world = math.prod(shape)
+        if not walk(ranks, 0) or sorted(flat) != list(range(world)):
+            raise f.fail("ranks", f"a {shape} nested list holding each rank 0..{world - 1} once", "another value")
         return cls(order, ranks)
 
 
@@ -205,7 +228,7 @@ class Plan:
     @property
     def mesh(self) -> MeshSpec:
         p = self.parallel
-        return MeshSpec(list(MESH_DIMS), [p.pp, p.dp, p.tp])
+        return MeshSpec(list(MESH_DIMS), [p.pp, p.dp, p.cp, p.tp])
 
     def to_dict(self) -> dict:
         data = {
@@ -231,8 +254,12 @@ class Plan:
     def from_dict(cls, data: dict, path: str = "plan") -> Plan:
         f = Fields(data, path)
         version = f.int("schema_version")
-        if version != SCHEMA_VERSION:
-            raise f.fail("schema_version", f"{SCHEMA_VERSION} (this meshplan's plan format)", version)
+        if version not in READABLE_VERSIONS:
+            raise f.fail("schema_version", f"one of {list(READABLE_VERSIONS)} (this meshplan's plan formats)",
+                         version)
+        if version == 1:
+            data = _upgrade_v1(data)
+            f = Fields(data, path)
         model = ModelSpec.from_dict(f.obj("model").data, f"{path}.model")
         cluster = ClusterSpec.from_dict(f.obj("cluster").data, f"{path}.cluster")
         parallel = ParallelConfig.from_dict(f.obj("parallel").data, f"{path}.parallel")
@@ -243,16 +270,33 @@ class Plan:
                                  for i, a in enumerate(f.list("alternatives", default=[]))],
                    search=SearchStats.from_dict(f.obj("search", default={"solver": ""}).data, f"{path}.search"))
         if f.int("world_size", min=1) != parallel.world_size:
-            raise f.fail("world_size", f"dp x tp x pp = {parallel.world_size}", data["world_size"])
+            raise f.fail("world_size", f"pp x dp x cp x tp = {parallel.world_size}", data["world_size"])
         if parallel.world_size > cluster.world_size:
             raise f.fail("world_size", f"at most the cluster's {cluster.world_size} devices", parallel.world_size)
         mesh = MeshSpec.from_dict(f.obj("mesh").data, f"{path}.mesh")
         if mesh.shape != plan.mesh.shape:
-            raise InputError(f"{path}.mesh.shape: expected [pp, dp, tp] = {plan.mesh.shape}, got {mesh.shape}")
+            raise InputError(f"{path}.mesh.shape: expected [pp, dp, cp, tp] = {plan.mesh.shape}, got {mesh.shape}")
         if "placement" in data:
             plan.placement = Placement.from_dict(f.obj("placement").data, plan.mesh.shape, f"{path}.placement")
         _check_stages(plan, path)
         return plan
+
+
+def _upgrade_v1(data: dict) -> dict:
+    """A schema-1 plan in schema 2's shape: mesh [pp, dp, tp] gains cp = 1 before tp."""
+    data = dict(data, schema_version=SCHEMA_VERSION)
+    mesh = data.get("mesh")
+    if isinstance(mesh, dict) and isinstance(mesh.get("shape"), list) and len(mesh["shape"]) == 3:
+        data["mesh"] = {"dim_names": list(MESH_DIMS), "shape": [*mesh["shape"][:2], 1, mesh["shape"][2]]}
+    placement = data.get("placement")
+    if isinstance(placement, dict) and isinstance(placement.get("order"), list) and "cp" not in placement["order"]:
+        order = list(placement["order"])
+        order.insert(order.index("tp") if "tp" in order else len(order), "cp")
+        ranks = placement.get("ranks")
+        if isinstance(ranks, list):
+            ranks = [[[col] for col in row] if isinstance(row, list) else row for row in ranks]
+        data["placement"] = {"order": order, "ranks": ranks}
+    return data
 
 
 def _check_stages(plan: Plan, path: str) -> None:

@@ -22,10 +22,13 @@ from typing import NamedTuple
 
 from meshplan.planner.cluster_spec import ClusterSpec
 from meshplan.planner.constraints import Constraints
+from meshplan.planner.cost_cp import cp_modes, cp_pp_pairs, cp_terms, exposed_cp_per_iteration
+from meshplan.planner.cost_ep import ep_options, ep_terms, exposed_ep_per_iteration, links_with_ep
 from meshplan.planner.cost_model import (
     Candidate,
     Evaluation,
     GradSync,
+    Links,
     StageProblem,
     Terms,
     bubble_micro_batches,
@@ -49,6 +52,7 @@ from meshplan.planner.cost_model import (
     zb_ratio,
 )
 from meshplan.planner.errors import InfeasibleError, InputError
+from meshplan.planner.exposed import exposed_communication
 from meshplan.planner.ilp import PartitionSolver, Solution
 from meshplan.planner.model_spec import ModelSpec
 from meshplan.planner.placement import Placer, allowed_cuts, model_graph
@@ -92,10 +96,13 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def schedules(pp: int, m: int, num_layers: int, constraints: Constraints) -> Iterator[tuple[str, int]]:
+def schedules(pp: int, m: int, num_layers: int, constraints: Constraints, blocks: int = 0
+              ) -> Iterator[tuple[str, int]]:
     """(schedule, virtual stages) that torch.distributed.pipelining can run for this pp and m.
     zero-bubble is emitted only as ZB-V (v = 2, V-shaped placement, ScheduleZBVZeroBubble) to keep the
-    executor's mapping simple; Schedule1F1B and ZBV need m ≥ pp; interleaved needs m % pp == 0."""
+    executor's mapping simple; Schedule1F1B and ZBV need m ≥ pp; interleaved needs m % pp == 0. Unpinned,
+    interleaving takes only the v whose pp·v chunks split the `blocks` evenly, as Megatron-LM requires: an
+    uneven chunk delays every micro-batch that passes it."""
     pin_s, pin_v = constraints.schedule, constraints.virtual_stages
     if pp == 1:
         options = [("1f1b", 1), ("gpipe", 1)] if pin_s in (None, "1f1b", "gpipe") else []
@@ -109,7 +116,8 @@ def schedules(pp: int, m: int, num_layers: int, constraints: Constraints) -> Ite
         if pin_s in (None, "1f1b") and m >= pp:
             yield "1f1b", 1
     if pin_s in (None, "interleaved-1f1b") and m % pp == 0:
-        vs = [pin_v] if pin_v is not None else range(2, MAX_VIRTUAL_STAGES + 1)
+        vs = [pin_v] if pin_v is not None else [v for v in range(2, MAX_VIRTUAL_STAGES + 1)
+                                                if not blocks or blocks % (pp * v) == 0]
         for v in vs:
             if v >= 2 and pp * v <= num_layers:
                 yield "interleaved-1f1b", v
@@ -126,18 +134,18 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints,
         if (c.tp is not None and tp != c.tp) or cluster.devices_per_node % tp or model.num_heads % tp \
                 or model.num_kv_heads % tp or model.ffn_hidden_size % tp or c.effective_seq_len(model) % tp:
             continue  # the executor shards heads and the MLP by tp and the sequence (sequence parallel) too
-        for pp in divisors(world // tp):
+        for cp, pp in cp_pp_pairs(model, cluster, c, tp):  # cp = 1 first (planner/cost_cp.py)
             if (c.pp is not None and pp != c.pp) or pp > n_layers:
                 continue
-            dp = world // (tp * pp)
+            dp = world // (tp * cp * pp)
             if (c.dp is not None and dp != c.dp) or gbs % dp:
                 continue
             for b in divisors(gbs // dp):
                 if c.micro_batch_size is not None and b != c.micro_batch_size:
                     continue
                 m = gbs // (dp * b)
-                for schedule, v in schedules(pp, m, n_layers, c):
-                    for zero in ([c.zero] if c.zero is not None else range(4 if dp > 1 else 1)):
+                for schedule, v in schedules(pp, m, n_layers, c, model.num_layers):
+                    for zero in ([c.zero] if c.zero is not None else range(4 if dp * cp > 1 else 1)):
                         if schedule == "zero-bubble" and zero == 3:
                             continue  # the executor refuses it: FSDP2 resharding breaks the split backward
                         if c.recompute is not None:
@@ -145,9 +153,12 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints,
                         else:  # the ILP counts full recompute per stage; the executor's selective is all blocks
                             modes = [("none", False), ("selective", True), ("full", False)]
                         for mode, pinned in modes:
-                            for order in placer.orders(pp, dp, tp):
-                                yield Candidate(dp=dp, tp=tp, pp=pp, v=v, schedule=schedule, b=b, m=m, zero=zero,
-                                                recompute=mode, recompute_pinned=pinned, order=order)
+                            for order in placer.orders(pp, dp, tp, cp):
+                                for cp_mode in cp_modes(model, cluster, c, tp, cp):
+                                    for ep, etp in ep_options(model, dp, cp, tp, c.ep, c.expert_tp, schedule):
+                                        yield Candidate(dp=dp, tp=tp, pp=pp, v=v, schedule=schedule, b=b, m=m,
+                                                        zero=zero, recompute=mode, recompute_pinned=pinned,
+                                                        order=order, cp=cp, cp_mode=cp_mode, ep=ep, expert_tp=etp)
 
 
 class _Bounds(NamedTuple):
@@ -205,6 +216,7 @@ class Search:
         self.placer = Placer(cluster)
         self.cuts = allowed_cuts(model_graph(model))
         self.terms = Terms(model, profile, self.seq, constraints.dtype)
+        self.terms.moe_imbalance = constraints.moe_imbalance  # planner/cost_ep.py
         self.partition = PartitionSolver(solver, force_assignment)
         self.considered = 0
         self.feasible = 0
@@ -215,8 +227,17 @@ class Search:
         self.quick = _Quick(model)
         self.rate = relative_rate(profile)  # None unless CPU ranks outnumbered the cores when profiled
 
+    def terms_for(self, cand: Candidate) -> Terms:
+        """The candidate's Terms: the shared ones, or its CP degree's (planner/cost_cp.py); for a MoE model
+        its EP layout's (planner/cost_ep.py)."""
+        terms = self.terms if cand.cp == 1 else cp_terms(self.terms, cand.cp, cand.cp_mode, self.links(cand).cp)
+        return ep_terms(terms, cand, self.links(cand).ep, self.c.moe_imbalance)
+
+    def links(self, cand: Candidate) -> Links:
+        return links_with_ep(self.placer, cand, self.placer.links(cand.pp, cand.dp, cand.tp, cand.order, cand.cp))
+
     def problem(self, cand: Candidate) -> StageProblem:
-        links = self.placer.links(cand.pp, cand.dp, cand.tp, cand.order)
+        links = self.links(cand)
         return build_problem(self.model, self.profile, cand, self.seq, self.c.dtype, links, self.mem_limit,
                              self.cuts, self.terms)
 
@@ -243,22 +264,24 @@ class Search:
 
     def _bounds(self, cand: Candidate) -> _Bounds:
         q = self.quick
-        links = self.placer.links(cand.pp, cand.dp, cand.tp, cand.order)
+        links = self.links(cand)
         b, tp, S, pp = cand.b, cand.tp, cand.num_stages, cand.pp
-        sums = self._kind_sums(b, tp, cand.schedule)
+        dp = cand.dp * cand.cp  # the ranks that average gradients and shard ZeRO state
+        terms = self.terms_for(cand)
+        sums = self._kind_sums(b, tp, cand.schedule, terms)
         fsum, gsum, tsum, tmax = sums["f"], sums["g"], sums["t"], sums["tmax"]
         rows = sums["rows"]
-        agg = self._layer_sums(tp, cand.dp, cand.zero, links.dp, grad_sync(cand))
+        agg = self._layer_sums(tp, dp, cand.zero, links.dp_cp, grad_sync(cand), terms)
         rank = self._ranks(pp, cand.schedule, cand.v)
         pipe = self._pipeline(cand, links.pp, rank)[0]
-        unhidden = unhidden_share(self.profile, cand.dp, cand.zero, q.num_layers, S)
+        unhidden = unhidden_share(self.profile, dp, cand.zero, q.num_layers, S)
         z3 = max(agg["gather"] - fsum - gsum, unhidden * agg["gather"]) if agg["gather"] > 0 else 0.0
-        work = tsum + pipe + z3 + S * root_hook_time(self.profile, cand.dp, cand.zero)
-        rec_time, rec_saving, _ = self.terms.recompute(b, tp, cand.recompute)
+        work = tsum + pipe + z3 + S * root_hook_time(self.profile, dp, cand.zero)
+        rec_time, rec_saving, _ = terms.recompute(b, tp, cand.recompute)
         recompute = "none" if cand.recompute == "none" else ("all" if cand.recompute_pinned else "free")
         inflight = self._inflight(cand.schedule, pp, cand.v, cand.m)
         fixed = fixed_bytes(pp, rank, q.tied / tp * sum(agg["state_bytes"]),
-                            agg["workspace"] if cand.zero >= 3 and cand.dp > 1 else 0.0)
+                            agg["workspace"] if cand.zero >= 3 and dp > 1 else 0.0)
         left = [self.mem_limit - f for f in fixed]
         kept = state_kept(grads_idle(agg["state_bytes"], cand.m, inflight))
         block_state = agg["block_state_min"] * kept
@@ -283,30 +306,31 @@ class Search:
         bubble = bubble_micro_batches(cand.schedule, pp, cand.v, zb_ratio(fsum, gsum))
         tau = max(work / pp, tmax)
         tail = (agg["opt"] + max(agg["dp"] - gsum, unhidden * agg["dp"])) / pp + \
-            step_sync_time(self.profile, cand.dp * tp * pp, links)
+            step_sync_time(self.profile, dp * tp * pp, links)
         return _Bounds((cand.m + bubble) * tau + tail, ratio, work, tmax, tail, bubble, left, block_state)
 
-    def _kind_sums(self, b: int, tp: int, schedule: str) -> dict:
-        """Per-kind rows (Terms.kind) and their sums over the model's layers."""
+    def _kind_sums(self, b: int, tp: int, schedule: str, terms: Terms | None = None) -> dict:
+        """Per-kind rows (Terms.kind) and their sums over the model's layers (memoised on `terms`)."""
+        terms = terms or self.terms
         key = ("kind sums", b, tp, schedule == "zero-bubble")
-        if key not in self.terms.memo:
+        if key not in terms.memo:
             counts = self.quick.counts
-            rows = {k: self.terms.kind(k, b, tp, schedule) for k in counts}
-            self.terms.memo[key] = dict(
+            rows = {k: terms.kind(k, b, tp, schedule) for k in counts}
+            terms.memo[key] = dict(
                 rows=rows, f=sum(n * rows[k][0] for k, n in counts.items()),
                 g=sum(n * rows[k][1] for k, n in counts.items()),
                 t=sum(n * (rows[k][0] + rows[k][1] + rows[k][2]) for k, n in counts.items()),
                 tmax=max(rows[k][0] + rows[k][1] + rows[k][2] for k in counts))
-        return self.terms.memo[key]
+        return terms.memo[key]
 
     def _pipeline(self, cand: Candidate, link: str, rank: list[int]) -> tuple[float, list[float]]:
         """build_problem's boundaries less their relief, summed over the stages (cost_model.lower_bound)
         and per rank; the same for every candidate of this shape (m matters only through 1F1B's unfused
         share)."""
         pp, b, tp, schedule = cand.pp, cand.b, cand.tp, cand.schedule
-        key = ("pipe", pp, cand.v, schedule, b, tp, link, cand.m if schedule == "1f1b" else 0)
+        key = ("pipe", pp, cand.v, schedule, b, tp, link, cand.m if schedule == "1f1b" else 0, cand.cp)
         if key not in self.terms.memo:
-            hop = self.terms.hop(b, tp, link) if pp > 1 else 0.0
+            hop = self.terms_for(cand).hop(b, tp, link) if pp > 1 else 0.0
             pipe, per_rank = 0.0, [0.0] * pp
             for k in range(cand.num_stages):
                 t, relief, _ = pipeline_stage_split(self.profile, hop, crossings(rank, k), schedule,
@@ -325,16 +349,18 @@ class Search:
         blocks = q.counts.get("block", 0)
         if not blocks:
             return self._reported(cand, parts)
-        links = self.placer.links(pp, cand.dp, cand.tp, cand.order)
-        rows = self._kind_sums(cand.b, cand.tp, cand.schedule)["rows"]
+        links = self.links(cand)
+        terms = self.terms_for(cand)
+        dp = cand.dp * cand.cp
+        rows = self._kind_sums(cand.b, cand.tp, cand.schedule, terms)["rows"]
         rank = self._ranks(pp, cand.schedule, cand.v)
         fixed = list(self._pipeline(cand, links.pp, rank)[1])
-        root = root_hook_time(self.profile, cand.dp, cand.zero)
+        root = root_hook_time(self.profile, dp, cand.zero)
         for k in rank:
             fixed[k] += root
-        for i, _, kind in self._layer_sums(cand.tp, cand.dp, cand.zero, links.dp, grad_sync(cand))["ends"]:
+        for i, _, kind in self._layer_sums(cand.tp, dp, cand.zero, links.dp_cp, grad_sync(cand), terms)["ends"]:
             fixed[rank[0] if i < q.first_block else rank[-1]] += sum(rows[kind][:3])
-        rec_time, rec_saving, _ = self.terms.recompute(cand.b, cand.tp, cand.recompute)
+        rec_time, rec_saving, _ = terms.recompute(cand.b, cand.tp, cand.recompute)
         mode = "none" if cand.recompute == "none" else ("all" if cand.recompute_pinned else "free")
         inflight = self._inflight(cand.schedule, pp, cand.v, cand.m)
         act = rows["block"][3]
@@ -357,10 +383,13 @@ class Search:
             (problem.act[i] - (saving if kind == "block" else 0.0)) * k for i, kind in enumerate(problem.kinds))
         return need / (problem.pp * self.mem_limit)
 
-    def _layer_sums(self, tp: int, dp: int, zero: int, link: str, sync: GradSync) -> dict:
+    def _layer_sums(self, tp: int, dp: int, zero: int, link: str, sync: GradSync, terms: Terms | None = None
+                    ) -> dict:
+        """Per-layer state and sync sums, memoised on `terms` (a MoE candidate's EP terms differ)."""
+        terms = terms if terms is not None and terms.model.moe is not None else self.terms
         key = ("sums", tp, dp, zero, link, sync)
-        if key not in self.terms.memo:
-            state, opt, dps, gather = self.terms.per_layer(tp, dp, zero, link, sync)
+        if key not in terms.memo:
+            state, opt, dps, gather = terms.per_layer(tp, dp, zero, link, sync)
             kinds = self.quick.kinds
             blocks = [i for i, k in enumerate(kinds) if k == "block"]
             self.terms.memo[key] = dict(
@@ -432,12 +461,38 @@ class Search:
         its closed-form time; it cannot enter the ranking."""
         time, ranked = solution.objective, True
         if cand.pp > 1:
+            solution = self._even_if_faster(cand, problem, solution)
             ev = solution.evaluation or evaluate(problem, solution.bounds, solution.recompute)
             quick = evaluation_lower_bound(ev, cand.schedule, cand.pp, cand.v, cand.m) if self.rate is None else 0.0
             ranked = quick <= limit * TOLERANCE
             if ranked:
                 time = self.shared_time(cand, ev)
         return Scored(cand, problem, solution, index, time), ranked
+
+    def _even_if_faster(self, cand: Candidate, problem: StageProblem, solution: Solution) -> Solution:
+        """The ILP balances each rank's total work, which the schedule's simulation does not always
+        reward: with interleaved stages a stage holding two blocks while another holds the head alone
+        delays every micro-batch that passes it. Megatron-LM's even split (blocks evenly over stages,
+        embedding with the first, head with the last) is simulated too, and kept when it fits and is
+        faster."""
+        if cand.v == 1:  # one stage per rank: balancing the ranks is balancing the stages
+            return solution
+        bounds = even_bounds(problem)
+        if bounds is None or bounds == solution.bounds:
+            return solution
+        if problem.recompute == "all":
+            recompute = [sum(k == "block" for k in problem.kinds[a:b]) for a, b in zip(bounds, bounds[1:])]
+        elif any(solution.recompute):
+            return solution
+        else:
+            recompute = [0] * len(bounds[:-1])
+        ev = evaluate(problem, bounds, recompute)
+        if not ev.feasible:
+            return solution
+        mine = solution.evaluation or evaluate(problem, solution.bounds, solution.recompute)
+        if self.shared_time(cand, ev) < self.shared_time(cand, mine) * (1 - 1e-9):
+            return Solution(bounds, recompute, solution.objective, ev)
+        return solution
 
     def speedup(self, cand: Candidate) -> float:
         """How much below its `bounds` lower bound a candidate's prediction can fall on shared CPU cores
@@ -446,7 +501,7 @@ class Search:
         bubble micro-batches."""
         if self.rate is None or cand.pp == 1:
             return 1.0
-        return max(1.0, self.rate(cand.dp * cand.tp)) * (cand.m + cand.pp - 1) / cand.m
+        return max(1.0, self.rate(cand.dp * cand.cp * cand.tp)) * (cand.m + cand.pp - 1) / cand.m
 
     def iteration_time(self, cand: Candidate, problem: StageProblem, solution: Solution) -> float:
         """The predicted iteration seconds of a solved candidate, as the search reports it: the closed
@@ -458,7 +513,8 @@ class Search:
 
     def shared_time(self, cand: Candidate, ev: Evaluation) -> float:
         """An evaluation's iteration seconds with processor sharing applied (unchanged without it)."""
-        return shared_iteration_time(ev, cand.schedule, cand.pp, cand.v, cand.m, cand.dp * cand.tp, self.rate)
+        return shared_iteration_time(ev, cand.schedule, cand.pp, cand.v, cand.m, cand.dp * cand.cp * cand.tp,
+                                     self.rate)
 
     def nearest(self, limit: int = 4) -> tuple[Candidate, StageProblem, Solution] | None:
         """The candidate closest to fitting: the few with the best memory bounds, each solved for the
@@ -480,6 +536,25 @@ class Search:
             if sol is not None and (best is None or sol.objective < best[2].objective):
                 best = (cand, problem, sol)
         return best
+
+
+def even_bounds(problem: StageProblem) -> list[int] | None:
+    """Stage bounds with the blocks spread evenly (the first stages take one more when they do not
+    divide), the embedding in the first stage and the head in the last; None unless the model is
+    embedding, blocks, head with every cut allowed and at least one block per stage."""
+    kinds, S = problem.kinds, problem.num_stages
+    if len(kinds) < 3 or kinds[0] != "embedding" or kinds[-1] != "head" or \
+            any(k != "block" for k in kinds[1:-1]) or not all(problem.cuts[1:]):
+        return None
+    blocks = len(kinds) - 2
+    if blocks < S:
+        return None
+    bounds, start = [0], 1
+    for k in range(S):
+        start += blocks // S + (1 if k < blocks % S else 0)
+        bounds.append(start)
+    bounds[-1] = len(kinds)
+    return bounds
 
 
 def least_bottleneck(blocks: int, block_time: float, fixed: list[float], room: list[float], block_bytes: list[float],
@@ -562,7 +637,8 @@ def find_plan(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints, 
             considered.append((bound, memory, describe(cand)))
     if not search.considered:
         pins = [f"--{k.replace('_', '-')} {v}" for k, v in (
-            ("dp", constraints.dp), ("tp", constraints.tp), ("pp", constraints.pp),
+            ("dp", constraints.dp), ("tp", constraints.tp), ("pp", constraints.pp), ("cp", constraints.cp),
+            ("cp_mode", constraints.cp_mode), ("ep", constraints.ep), ("expert_tp", constraints.expert_tp),
             ("micro_batch_size", constraints.micro_batch_size), ("schedule", constraints.schedule),
             ("virtual_stages", constraints.virtual_stages)) if v is not None]
         raise InputError(f"{'/'.join(p.split()[0] for p in pins) or 'constraints'}: no parallel configuration of "
@@ -576,12 +652,18 @@ def find_plan(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints, 
                                f"{search.partition.hits} cache hits"
                                + (f", {ilp.TIME_LIMITED[0] - limited} stopped at the {ilp.TIME_LIMIT_S:.0f} s limit"
                                   if ilp.TIME_LIMITED[0] > limited else "") + ")")
-    return to_plan(search, results, stats)
+    plan = to_plan(search, results, stats)
+    from meshplan.planner.cp_report import cp_choice_notes
+
+    plan.cp_notes = cp_choice_notes(search, plan)  # for the CLI summary (not part of the plan JSON)
+    return plan
 
 
 def describe(cand: Candidate) -> str:
     v = f" v={cand.v}" if cand.v > 1 else ""
-    return (f"pp={cand.pp} dp={cand.dp} tp={cand.tp} zero={cand.zero} {cand.schedule}{v} "
+    cp = f" cp={cand.cp} ({cand.cp_mode})" if cand.cp > 1 else ""
+    cp += f" ep={cand.ep}" + (f" expert_tp={cand.expert_tp}" if cand.expert_tp > 1 else "") if cand.ep > 1 else ""
+    return (f"pp={cand.pp} dp={cand.dp}{cp} tp={cand.tp} zero={cand.zero} {cand.schedule}{v} "
             f"b={cand.b} m={cand.m} recompute={cand.recompute}")
 
 
@@ -631,12 +713,22 @@ def _predicted(search: Search, scored: Scored, ev: Evaluation) -> Predicted:
     seconds = scored.time
     tokens = search.c.global_batch_size * search.seq
     flops = model_flops_per_iteration(search.model, search.c.global_batch_size, search.seq)
-    peak = search.cluster.device.peak_flops[search.c.dtype] * cand.dp * cand.tp * cand.pp
+    peak = search.cluster.device.peak_flops[search.c.dtype] * cand.dp * cand.cp * cand.tp * cand.pp
     bubble = scored.problem.bubble
+    exposed = exposed_communication(cand, scored.problem, ev, scored.solution.bounds, scored.solution.recompute,
+                                    search.terms_for(cand))
+    if cand.cp > 1:  # the busiest rank's exposed CP seconds per iteration (planner/cost_cp.py)
+        exposed["cp"] = exposed_cp_per_iteration(search.terms_for(cand), cand, scored.problem,
+                                                 scored.solution.bounds, scored.solution.recompute)
+        exposed["tp"] = max(0.0, exposed["tp"] - exposed["cp"])  # CPTerms count CP with the layer's comm
+    if cand.ep > 1:  # the busiest rank's EP all-to-alls per iteration (planner/cost_ep.py)
+        exposed["ep"] = exposed_ep_per_iteration(search.terms_for(cand), cand, scored.problem,
+                                                 scored.solution.bounds, scored.solution.recompute)
+        exposed["tp"] = max(0.0, exposed["tp"] - exposed["ep"])  # EP terms count it with the layer's comm
     return Predicted(
         iteration_time_s=seconds, tokens_per_s=tokens / seconds,
         bubble_fraction=bubble / (scored.problem.m + bubble), peak_memory_bytes=max(ev.rank_memory),
-        mfu=flops / (seconds * peak))
+        mfu=flops / (seconds * peak), exposed_communication_s=exposed)
 
 
 def _parallel(search: Search, scored: Scored) -> ParallelConfig:
@@ -645,7 +737,8 @@ def _parallel(search: Search, scored: Scored) -> ParallelConfig:
     return ParallelConfig(
         dp=cand.dp, tp=cand.tp, pp=cand.pp, virtual_stages=cand.v, zero=cand.zero, schedule=cand.schedule,
         micro_batch_size=cand.b, num_micro_batches=cand.m, global_batch_size=search.c.global_batch_size,
-        seq_len=search.seq, recompute=mode, dtype=search.c.dtype, sequence_parallel=cand.tp > 1)
+        seq_len=search.seq, recompute=mode, dtype=search.c.dtype, sequence_parallel=cand.tp > 1, cp=cand.cp,
+        cp_mode=cand.cp_mode if cand.cp > 1 else "ring", ep=cand.ep, expert_tp=cand.expert_tp)
 
 
 def to_plan(search: Search, results: list[Scored], stats: SearchStats) -> Plan:
@@ -678,7 +771,7 @@ def to_plan(search: Search, results: list[Scored], stats: SearchStats) -> Plan:
         if other.cand.order != cand.order:
             note += f", mesh order {'/'.join(other.cand.order)}"
         alternatives.append(Alternative(par, _predicted(search, other, oev), note))
-    placement = search.placer.place(cand.pp, cand.dp, cand.tp, cand.order)
+    placement = search.placer.place(cand.pp, cand.dp, cand.tp, cand.order, cand.cp)
     return Plan(model=search.model, cluster=search.cluster, parallel=_parallel(search, best), stages=stages,
                 predicted=_predicted(search, best, ev), alternatives=alternatives[:search.c.top_k], search=stats,
                 placement=Placement(list(placement.order), placement.ranks.tolist()))

@@ -13,11 +13,13 @@ import shutil
 from collections.abc import Sequence
 
 from meshplan.planner.cli import _Parser
+from meshplan.planner.cp_report import cp_lines, cp_tag
 from meshplan.planner.errors import InputError
 from meshplan.planner.model_spec import ModelSpec
 from meshplan.planner.plan import Alternative, ParallelConfig, Plan, load_plan
-from meshplan.planner.report import human_bytes, human_count
+from meshplan.planner.report import exposed_lines, human_bytes, human_count
 from meshplan.planner.schedule import Timeline, plan_timeline
+from meshplan.planner.show_moe import moe_lines
 from meshplan.planner.timeline import render_text, write_png
 from rich import box
 from rich.console import Console
@@ -95,9 +97,11 @@ def summary(plan: Plan, timeline: Timeline | None, width: int) -> list:
         Text(f"{plan.model.name} ({human_count(plan.model.num_parameters)} parameters, "
              f"{len(plan.model.layers)} layers) on {plan.cluster.name}: {plan.world_size} of "
              f"{plan.cluster.world_size} devices ({dev.type}, {human_bytes(cap)} each)", style="bold"),
-        Text(f"mesh [pp, dp, tp] = [{p.pp}, {p.dp}, {p.tp}]: {_placement(plan)}"),
+        Text(f"mesh [pp, dp, tp] = [{p.pp}, {p.dp}, {p.tp}]: {_placement(plan)}" if p.cp == 1 else
+             f"mesh [pp, dp, cp, tp] = [{p.pp}, {p.dp}, {p.cp}, {p.tp}]: {_placement(plan)}"),
         Text(f"{describe_parallel(p)}; global batch {p.global_batch_size} x {p.seq_len} tokens = "
              f"dp {p.dp} x micro-batch {p.micro_batch_size} x {p.num_micro_batches} micro-batches"),
+        *moe_lines(plan),
         Text(""),
         _stage_table(plan, cap),
         Text(f"predicted: iteration {_secs(pred.iteration_time_s)}, {pred.tokens_per_s:,.0f} tokens/s, "
@@ -105,6 +109,8 @@ def summary(plan: Plan, timeline: Timeline | None, width: int) -> list:
              + (f" (timeline below: {timeline.bubble_fraction:.1%})" if timeline else "")
              + f", peak memory {human_bytes(pred.peak_memory_bytes)} of {human_bytes(cap)} "
              f"({pred.peak_memory_bytes / cap:.0%})"),
+        *exposed_lines(pred.exposed_communication_s, pred.iteration_time_s),
+        *[Text(line) for line in cp_lines(plan)],
         Text(""),
     ]
     if timeline is None:
@@ -135,7 +141,7 @@ def describe_parallel(p: ParallelConfig) -> str:
 def _placement(plan: Plan) -> str:
     """Where the mesh lands: rank = (pp_rank x dp + dp_rank) x tp + tp_rank, as the executor builds it."""
     p, c = plan.parallel, plan.cluster
-    block = p.dp * p.tp
+    block = p.dp * p.cp * p.tp
     text = f"pp rank i holds devices [{block}i, {block}i+{block})" if p.pp > 1 else f"devices 0-{block - 1}"
     if c.num_nodes > 1:
         nodes = {c.node_of(r) for r in range(plan.world_size)}
@@ -200,7 +206,7 @@ def why_not(plan: Plan) -> list[Text]:
 
 
 def _short(p: ParallelConfig) -> str:
-    return (f"pp={p.pp} dp={p.dp} tp={p.tp} zero={p.zero} {p.schedule}"
+    return (f"pp={p.pp} dp={p.dp}{cp_tag(p)} tp={p.tp} zero={p.zero} {p.schedule}"
             + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else "")
             + f" b={p.micro_batch_size} m={p.num_micro_batches} recompute={p.recompute}")
 

@@ -12,5 +12,7 @@
   the ranks that exist (torch.multiprocessing or torchrun; gloo / NCCL), α-β fit per link class.
 - cache (profiler.cache): by (model, device, dtype, concurrent ranks, versions) in $MESHPLAN_CACHE or
   ~/.cache/meshplan; profiler.source.profile_for gives `plan` the cached measurement for this machine's
-  hardware, else presets. `plan` measures by itself only with MESHPLAN_AUTO_PROFILE=1 (small models).
+  hardware, else presets. With nothing cached for this host's CPUs (Nxcpu, local), `plan` measures a small
+  model itself once (profiler.source.small_enough; MESHPLAN_AUTO_PROFILE=0 turns that off) and otherwise
+  says on stderr that the prediction comes from presets, with the `plan profile` command to run.
 """

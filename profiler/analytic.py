@@ -4,6 +4,7 @@ the shape that measured samples are fitted to when the planner asks for sizes th
 from __future__ import annotations
 
 from meshplan.planner.model_spec import ModelSpec, vocab_shard
+from meshplan.profiler.moe_cost import block_ffn_activation_values, block_ffn_mats
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -18,7 +19,7 @@ def layer_forward_flops(spec: ModelSpec, kind: str, b: int, s: int, tp: int = 1)
     h, tokens = spec.hidden_size, b * s
     if kind == "block":
         q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        mats = h * (q_dim + 2 * kv_dim) + q_dim * h + (3 if spec.mlp == "swiglu" else 2) * h * spec.ffn_hidden_size
+        mats = h * (q_dim + 2 * kv_dim) + q_dim * h + block_ffn_mats(spec)  # MoE: active, mean block
         return (2.0 * tokens * mats + 4.0 * b * s * s * q_dim) / tp
     if kind == "head":
         return 2.0 * tokens * h * spec.vocab_size / tp
@@ -28,7 +29,8 @@ def layer_forward_flops(spec: ModelSpec, kind: str, b: int, s: int, tp: int = 1)
 
 
 def layer_activation_bytes(spec: ModelSpec, kind: str, b: int, s: int, tp: int = 1, dtype: str = "bf16",
-                           recompute: str = "none", sequence_parallel: bool = False) -> float:
+                           recompute: str = "none", sequence_parallel: bool = False,
+                           unfused_attention: bool = False, sharded_inputs: bool = False) -> float:
     """Bytes saved for backward by one layer for one micro-batch on one tensor-parallel rank, counted
     tensor by tensor as the executor's layers (executor/model.py) and PyTorch's CUDA kernels save them.
     tests/test_profiler_memory.py checks the count against the profiler's saved-tensor count on CPU.
@@ -54,6 +56,11 @@ def layer_activation_bytes(spec: ModelSpec, kind: str, b: int, s: int, tp: int =
     of the loss over the rank's vocabulary shard, V/t (the executor's loss is vocabulary-parallel; V when
     t does not divide V and the head is replicated).
     Embedding: the token ids (int64).
+    Unfused attention (Megatron-LM before flash attention; GPU presets can model it): the softmax output,
+    the dropout mask (one byte) and the dropout output, each heads/t x s x s per sample: 5·a·s²·b/t bytes
+    in B = 2 (Korthikanti Eq. 1, the 5as/h term), and hidden dropout masks, 2 x h bytes per token
+    (÷t with SP); selective recompute drops the s x s tensors.
+    `sharded_inputs`: the norms' outputs kept as sequence shards, h ÷t (SP), as Megatron-LM keeps them.
     """
     B = DTYPE_BYTES[dtype]
     h, tokens = spec.hidden_size, s * b
@@ -65,12 +72,15 @@ def layer_activation_bytes(spec: ModelSpec, kind: str, b: int, s: int, tp: int =
             return tokens * h * B / sp
         q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         lse = 0.0 if recompute == "selective" else 4.0 * spec.num_heads / tp
-        mlp = (4 if spec.mlp == "swiglu" else 2) * spec.ffn_hidden_size
-        per_token = 2 * (norm_kept + h * B) + (2 * q_dim + 2 * kv_dim + mlp) * B / tp + lse
+        mlp = block_ffn_activation_values(spec, B)  # dense: 4f SwiGLU, 2f GELU; MoE: profiler/moe_cost.py
+        norm_out = h * B / (sp if sharded_inputs else 1)
+        per_token = 2 * (norm_kept + norm_out) + (2 * q_dim + 2 * kv_dim + mlp) * B / tp + lse
         rope = 2 * 2 * s * (spec.head_dim // 2) * 4 if spec.position == "rope" else 0
+        if unfused_attention:
+            per_token += 2 * h / sp + (0 if recompute == "selective" else (2 * B + 1) * spec.num_heads * s / tp)
         return tokens * per_token + rope
     if kind == "head":
-        return tokens * (norm_kept + h * B + 4.0 * vocab_shard(spec, tp))
+        return tokens * (norm_kept + h * B / (sp if sharded_inputs else 1) + 4.0 * vocab_shard(spec, tp))
     if kind == "embedding":
         return 8.0 * tokens
     raise ValueError(f"unknown layer kind {kind!r}")

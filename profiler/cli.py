@@ -35,8 +35,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default="bf16", help="precision to measure in (default: bf16)")
     p.add_argument("--seq-len", type=positive_int, metavar="S",
                    help="longest sequence measured, S/2 too (default: the model's maximum, at most 2048)")
-    p.add_argument("--micro-batch-sizes", type=positive_int, nargs="+", metavar="B", help="default: 1 2 4")
-    p.add_argument("--tp-degrees", type=positive_int, nargs="+", metavar="T",
+    # `plan`'s --micro-batch-size and --tp name the same inputs: one value or several to measure
+    p.add_argument("--micro-batch-sizes", "--micro-batch-size", type=positive_int, nargs="+", metavar="B",
+                   help="default: 1 2 4")
+    p.add_argument("--tp-degrees", "--tp", type=positive_int, nargs="+", metavar="T",
                    help="shard shapes to measure (default: powers of two up to the node size that divide the heads)")
     p.add_argument("--warmup", type=int, default=10, metavar="N", help="untimed passes per point (default: 10)")
     p.add_argument("--repeats", type=positive_int, default=15, metavar="N",
@@ -53,6 +55,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _check(args: argparse.Namespace, model, cluster) -> None:
     import torch
+    from meshplan.planner.constraints import check_seq_len
     from meshplan.profiler.layers import check_buildable, shard_spec
     from meshplan.profiler.source import local_device
 
@@ -65,9 +68,8 @@ def _check(args: argparse.Namespace, model, cluster) -> None:
         if local_device(cluster) is None:
             raise InputError(f"--cluster: this machine's GPU is {torch.cuda.get_device_name(0)}, not "
                              f"{cluster.device.type}; use --cluster local, or --preset for documented figures")
-    if args.seq_len and args.seq_len > model.max_seq_len:
-        raise InputError(f"--seq-len: {args.seq_len} exceeds the maximum sequence length {model.max_seq_len} "
-                         f"of '{model.name}'")
+    if args.seq_len:
+        check_seq_len(model, args.seq_len)  # as `plan` checks it: only learned positions bound the sequence
     for t in args.tp_degrees or []:
         shard_spec(model, "block", t)
     if args.warmup < 0:

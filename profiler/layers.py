@@ -96,6 +96,14 @@ class LayerCase:
         return self._checkpointed
 
 
+def measured_block(spec: ModelSpec) -> int:
+    """The block the profiler times for kind "block": the first MoE block of a mixture-of-experts model
+    (its feed-forward dominates; dense leading blocks are few), else block 0."""
+    from meshplan.planner.model_spec import sparse_blocks
+
+    return (sparse_blocks(spec) or [0])[0]
+
+
 def build_case(spec: ModelSpec, kind: str, b: int, s: int, tp: int, dtype: str, device: torch.device,
                seed: int = 0) -> LayerCase:
     """The layer of `kind` as one TP rank holds it, in `dtype` on `device`, with inputs of b x s tokens."""
@@ -110,7 +118,7 @@ def build_case(spec: ModelSpec, kind: str, b: int, s: int, tp: int, dtype: str, 
         def make_input() -> torch.Tensor:
             return tokens
     else:
-        module = Block(shard) if kind == "block" else Head(shard)
+        module = Block(shard, measured_block(spec)) if kind == "block" else Head(shard)
         x0 = torch.randn(b, s, spec.hidden_size, generator=gen).to(device=device, dtype=tdtype)
 
         def make_input() -> torch.Tensor:
@@ -142,7 +150,7 @@ def build_tp_case(spec: ModelSpec, kind: str, b: int, s: int, tp_mesh, dtype: st
     tp = tp_mesh.size()
     if s % tp:
         raise InputError(f"--seq-len: tensor parallel degree {tp} does not divide the sequence length {s}")
-    index = {"embedding": 0, "block": 1, "head": spec.num_layers + 1}[kind]
+    index = {"embedding": 0, "block": 1 + measured_block(spec), "head": spec.num_layers + 1}[kind]
     with torch.device("meta"):
         model = Transformer(replace(spec, tied_embeddings=False)).keep_layers(index, index + 1)
     apply_tp(model, tp_mesh, sequence_parallel=True)
@@ -161,7 +169,7 @@ def build_tp_case(spec: ModelSpec, kind: str, b: int, s: int, tp_mesh, dtype: st
 
         def make_input() -> torch.Tensor:
             return x0.detach().requires_grad_(True)
-        module = model.blocks["0"] if kind == "block" else model.head
+        module = model.blocks[str(measured_block(spec))] if kind == "block" else model.head
     if kind == "head":
         targets = torch.randint(0, spec.vocab_size, (b, s), generator=gen).to(device)
         loss, context = tp_loss(model, tp_mesh)

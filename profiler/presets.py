@@ -8,6 +8,7 @@ from meshplan.planner.cluster_spec import ClusterSpec
 from meshplan.planner.model_spec import ModelSpec
 from meshplan.profiler.analytic import layer_forward_flops
 from meshplan.profiler.profile import LINK_OPS, ComputeSample, LinkFit, Profile
+from meshplan.profiler.roofline import Roofline
 
 # AdamW with mixed precision touches ~36 bytes per parameter per step (read param, grad, 2 moments and the
 # fp32 master copy; write back param, moments, master): memory-bound, so bytes / memory bandwidth.
@@ -17,21 +18,48 @@ ADAM_BYTES_PER_PARAM = 36.0
 CLIP_BYTES_PER_PARAM = 12.0
 
 
-def preset_profile(model: ModelSpec, cluster: ClusterSpec, dtype: str = "bf16") -> Profile:
+def device_roofline(cluster: ClusterSpec, dtype: str, attention: str = "flash", activations: str = "gathered",
+                    grad_overlap: bool = True, sequence_parallel: bool = True) -> Roofline | None:
+    """The per-operation model of a GPU preset (None for a CPU or a device without SM count); the
+    software settings default to the executor's (profiler/roofline.py)."""
+    d = cluster.device
+    if d.kind != "cuda" or d.sm_count <= 0 or not d.attention_flops or dtype == "fp32":
+        return None
+    return Roofline(peak_flops=d.peak_flops[dtype], gemm_fraction=d.efficiency, sm_count=d.sm_count,
+                    hbm_Bps=d.memory_bandwidth_Bps, hbm_fraction=d.memory_efficiency,
+                    attention_flops=d.attention_flops, launch_s=d.kernel_launch_s, attention=attention,
+                    activations=activations, grad_overlap=grad_overlap, sequence_parallel=sequence_parallel)
+
+
+def preset_profile(model: ModelSpec, cluster: ClusterSpec, dtype: str = "bf16", **software) -> Profile:
+    """`software`: how the training software runs on a GPU (`device_roofline`: attention, activations,
+    grad_overlap); the executor's by default."""
     device = cluster.device
     rate = device.peak_flops[dtype] * device.efficiency
+    roofline = device_roofline(cluster, dtype, **software)
     s = min(model.max_seq_len, 2048)
     compute = []
     for kind in ("embedding", "block", "head"):
-        flops = layer_forward_flops(model, kind, 1, s, 1)
-        compute.append(ComputeSample(kind, 1, s, 1, forward_s=flops / rate, backward_s=2 * flops / rate))
+        if roofline is not None:
+            fwd, bwd = roofline.layer(model, kind, 1, s, 1)
+        else:
+            flops = layer_forward_flops(model, kind, 1, s, 1)
+            fwd, bwd = flops / rate, 2 * flops / rate
+        compute.append(ComputeSample(kind, 1, s, 1, forward_s=fwd, backward_s=bwd))
+    # bus bandwidth NCCL reaches on each class of link (nccl-tests busbw); through the spine a GPU's NIC
+    # gets its share of the leaf's uplinks (planner/topology.py)
+    inter_leaf = cluster.inter_node.bus_Bps / cluster.topology.oversubscription
     links = {
-        name: {op: LinkFit(alpha_s=link.latency_s, beta_s_per_byte=1.0 / link.bandwidth_Bps) for op in LINK_OPS}
-        for name, link in (("intra_node", cluster.intra_node), ("inter_node", cluster.inter_node))
+        name: {op: LinkFit(alpha_s=latency, beta_s_per_byte=1.0 / bandwidth, busbw_curve=[list(p) for p in curve])
+               for op in LINK_OPS}
+        for name, latency, bandwidth, curve in (
+            ("intra_node", cluster.intra_node.latency_s, cluster.intra_node.bus_Bps, cluster.intra_node.busbw_curve),
+            ("inter_node", cluster.inter_node.latency_s, cluster.inter_node.bus_Bps, ()),
+            ("inter_leaf", cluster.inter_node.latency_s, inter_leaf, ()))
     }
     return Profile(
         model=model, dtype=dtype, source="preset", device_kind=device.kind, device_name=device.type,
         torch_version=torch.__version__, compute=compute, links=links,
         optimizer_s_per_param=(ADAM_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM) / device.memory_bandwidth_Bps,
-        concurrent_ranks=cluster.devices_per_node,
+        concurrent_ranks=cluster.devices_per_node, roofline=roofline,
     )

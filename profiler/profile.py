@@ -18,11 +18,12 @@ from meshplan.planner.jsonio import read_json, write_atomic
 from meshplan.planner.model_spec import ModelSpec
 from meshplan.planner.plan import SCHEDULES
 from meshplan.profiler.analytic import layer_activation_bytes, layer_forward_flops
+from meshplan.profiler.roofline import Roofline
 
 SCHEMA_VERSION = 1
 LAYER_KINDS = ("embedding", "block", "head")
 LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
-LINK_CLASSES = ("intra_node", "inter_node")
+LINK_CLASSES = ("intra_node", "inter_node", "inter_leaf")
 RECOMPUTE_MODES = ("none", "selective", "full")
 CORRECTION_TERMS = ("compute", "tp_comm", "pp_comm", "dp_comm", "optimizer")
 
@@ -122,13 +123,38 @@ class LinkFit:
     measured_group_size: int = 0  # 0: from presets
     spread: float = 0.0  # median over message sizes of (p90 - p10) / median of the repeats
     fit_error: float = 0.0  # largest |fit - measured| / measured over the message sizes
+    # presets: nccl-tests' all-reduce bus bandwidth by payload, [[bytes, B/s], ...] (latency included); when
+    # given, collectives follow it instead of alpha and beta (planner/cluster_spec.py cites the sweeps)
+    busbw_curve: list[list[float]] = field(default_factory=list)
+
+    def collective_time(self, op: str, nbytes: float, steps: float, factor: float) -> float:
+        if self.busbw_curve and op != "send_recv":
+            return factor * max(nbytes, 1.0) / busbw_at(self.busbw_curve, nbytes)
+        return self.alpha_s * steps + self.beta_s_per_byte * factor * nbytes
 
     @classmethod
     def from_dict(cls, data: dict, path: str) -> "LinkFit":
         f = Fields(data, path)
+        curve = f.list("busbw_curve", default=[])
+        if not all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, (int, float)) and x > 0 for x in p)
+                   for p in curve):
+            raise InputError(f"{path}.busbw_curve: expected a list of [bytes, B/s] pairs")
         return cls(f.float("alpha_s", min=0.0), f.float("beta_s_per_byte", min=0.0),
                    f.int("measured_group_size", min=0, default=0), f.float("spread", min=0.0, default=0.0),
-                   f.float("fit_error", min=0.0, default=0.0))
+                   f.float("fit_error", min=0.0, default=0.0), [[float(a), float(b)] for a, b in curve])
+
+
+def busbw_at(curve: list[list[float]], nbytes: float) -> float:
+    """Bus bandwidth at a payload, log-log interpolated between measured sizes; below the smallest the
+    smallest's time (latency bound), above the largest its bandwidth."""
+    pts = sorted(curve)
+    if nbytes <= pts[0][0]:
+        return pts[0][1] * nbytes / pts[0][0]
+    for (s0, b0), (s1, b1) in zip(pts, pts[1:]):
+        if nbytes <= s1:
+            w = math.log(nbytes / s0) / math.log(s1 / s0)
+            return math.exp(math.log(b0) + w * (math.log(b1) - math.log(b0)))
+    return pts[-1][1]
 
 
 @dataclass
@@ -235,13 +261,18 @@ class Profile:
     # gradient norm, the logged loss); far below the link fit's intercept on CPU (4 gloo ranks on 2
     # cores: 0.4 ms against 5.5 ms at 4 KiB); 0: not measured
     step_sync_s: float = 0.0
+    # presets of a GPU: the per-operation model (profiler/roofline.py) answers layer and recompute times
+    roofline: Roofline | None = None
     schema_version: int = SCHEMA_VERSION
 
     # ---- queries used by the planner's cost model ----
 
     def layer_time(self, kind: str, b: int, s: int, tp: int) -> tuple[float, float]:
         """(forward, backward) seconds of one layer for one micro-batch on one TP rank: the fit of the
-        samples, times the measured `chain_factor` at this TP degree (1 where no chain ran at it)."""
+        samples, times the measured `chain_factor` at this TP degree (1 where no chain ran at it); for
+        GPU presets, the per-operation model."""
+        if self.roofline is not None:
+            return self.roofline.layer(self.model, kind, b, s, tp)
         fwd, bwd = self._fitted_time(kind, b, s, tp)
         k = self.chain_factor(b, tp)
         return fwd * k, bwd * k
@@ -321,6 +352,8 @@ class Profile:
         forward is taken from the FLOP count (4·b·s²·q_dim of the total for the attention core)."""
         if mode == "none" or kind != "block":
             return 0.0
+        if self.roofline is not None:
+            return self.roofline.recompute(self.model, b, s, tp, mode)
         fwd, _ = self.layer_time(kind, b, s, tp)
         measured = self._recompute_ratio(kind, mode)
         if measured is not None:
@@ -344,7 +377,11 @@ class Profile:
 
     def activation_bytes(self, kind: str, b: int, s: int, tp: int, recompute: str = "none",
                          sequence_parallel: bool = False) -> float:
-        analytic = layer_activation_bytes(self.model, kind, b, s, tp, self.dtype, recompute, sequence_parallel)
+        r = self.roofline
+        sequence_parallel = sequence_parallel and (r is None or r.sequence_parallel)
+        analytic = layer_activation_bytes(self.model, kind, b, s, tp, self.dtype, recompute, sequence_parallel,
+                                          unfused_attention=r is not None and r.attention == "unfused",
+                                          sharded_inputs=r is not None and r.activations == "sharded")
         ratios = [m.activation_bytes / a for m in self.memory if m.kind == kind and m.recompute == recompute
                   for a in [layer_activation_bytes(self.model, kind, m.micro_batch_size, m.seq_len, m.tp,
                                                    self.dtype, recompute)] if a > 0]
@@ -354,9 +391,10 @@ class Profile:
         steps, factor = collective_factors(op, n)
         if steps == 0.0:
             return 0.0
-        fits = self.links.get(link_class) or self.links["intra_node"]
+        fits = self.links.get(link_class) or (link_class == "inter_leaf" and self.links.get("inter_node")) \
+            or self.links["intra_node"]
         fit = fits.get(op) or fits["all_reduce"]
-        return fit.alpha_s * steps + fit.beta_s_per_byte * factor * nbytes
+        return fit.collective_time(op, nbytes, steps, factor)
 
     def wrapper(self, zero: int) -> WrapperSample | None:
         """The in-situ sample of the engine the executor uses at this ZeRO level (smallest micro-batch)."""
@@ -422,6 +460,8 @@ class Profile:
             chains=[ChainSample.from_dict(c, f"{path}.chains[{i}]")
                     for i, c in enumerate(f.list("chains", default=[]))],
             step_sync_s=f.float("step_sync_s", min=0.0, default=0.0),
+            roofline=Roofline.from_dict(f.obj("roofline").data, f"{path}.roofline")
+            if data.get("roofline") is not None else None,
         )
 
 

@@ -1,6 +1,7 @@
 """Where the planner's Profile comes from when no --profile is given: the cache of measurements made on
-this machine for the cluster's device, a bounded measurement (opt-in), or presets for hardware that is
-not present (so a laptop can plan for 1024 GPUs)."""
+this machine for the cluster's device; for this host's CPUs and a small model, a short measurement that
+`plan` makes by itself (then cached); else presets, which serve hardware that is not present (a laptop
+plans for 1024 GPUs) but are far off for this host's CPUs, so `plan` says so (`preset_note`)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,19 @@ from meshplan.profiler.analytic import layer_forward_flops
 from meshplan.profiler.presets import preset_profile
 from meshplan.profiler.profile import LINK_OPS, LinkFit, Profile
 
-# `plan` measures by itself only when asked: measuring takes tens of seconds and uses every core, which
-# neither a test suite nor a user planning many variants wants by surprise.
+# `plan MODEL --cluster Nxcpu|local` on a CPU-only host measures a profile by itself when none is cached and
+# the model is small (`small_enough`): the CPU presets can be far off this host (examples/run_tiny_cpu.sh,
+# tiny on 4xcpu: measured/predicted 6.8-9.4 with presets, 0.87-0.97 with the measurement). Setting
+# MESHPLAN_AUTO_PROFILE=0 turns it off (a test suite, or planning many variants without waiting): presets
+# then, and a note on stderr.
 AUTO_PROFILE_ENV = "MESHPLAN_AUTO_PROFILE"
-# Largest block forward (FLOPs at b=2 and the longest sequence) that `plan` measures on its own.
-AUTO_PROFILE_MAX_FLOPS = 2e9
+# Largest measurement `plan` makes by itself: forward FLOPs of the whole model (embedding, blocks, head) at
+# b=2 and the longest sequence measured, times ranks per core when there are more ranks than cores. The
+# quick measurement on a 2-core host shared with other jobs (load 3-10) took: tiny (5.0e7 FLOPs) 2.2 s on
+# 1xcpu, 13-16 s on 2xcpu, 37 s on 4xcpu; gpt-20m (2.25e10) 15 s on 1xcpu, 84-89 s on 2xcpu, 107 s on
+# 4xcpu; gpt2 (5.8e11) 167 s on 1xcpu. The bound keeps it to a couple of minutes: gpt-20m while there are
+# no more ranks than cores, gpt2 never (`plan profile gpt2 ...` measures it when asked).
+AUTO_PROFILE_MAX_FLOPS = 3e10
 
 
 def gpu_preset_type(name: str, total_memory: int) -> str:
@@ -58,16 +67,30 @@ def with_cluster_links(profile: Profile, cluster: ClusterSpec) -> Profile:
 
 
 def auto_profile_enabled() -> bool:
-    return os.environ.get(AUTO_PROFILE_ENV, "") == "1"
+    return os.environ.get(AUTO_PROFILE_ENV, "1") != "0"
 
 
-def small_enough(model: ModelSpec) -> bool:
-    return model.arch in ("gpt2", "llama") and layer_forward_flops(
-        model, "block", 2, min(model.max_seq_len, 2048)) <= AUTO_PROFILE_MAX_FLOPS
+def measured_seq_len(model: ModelSpec, seq_len: int | None) -> int:
+    """The longest sequence a measurement covers: the planned one, else the model's maximum up to 2048
+    (`plan profile`'s default)."""
+    return seq_len or min(model.max_seq_len, 2048)
 
 
-def profile_for(model: ModelSpec, cluster: ClusterSpec, dtype: str) -> Profile:
-    """The profile `plan` uses when no --profile is given."""
+def small_enough(model: ModelSpec, seq_len: int | None = None, ranks: int = 1) -> bool:
+    """Whether `plan` may measure this model by itself (AUTO_PROFILE_MAX_FLOPS)."""
+    if model.arch not in ("gpt2", "llama"):
+        return False
+    s = measured_seq_len(model, seq_len)
+    flops = sum(layer_forward_flops(model, kind, 2, s) for kind in ("embedding", "head"))
+    flops += model.num_layers * layer_forward_flops(model, "block", 2, s)
+    return flops * max(1.0, ranks / (os.cpu_count() or 1)) <= AUTO_PROFILE_MAX_FLOPS
+
+
+def profile_for(model: ModelSpec, cluster: ClusterSpec, dtype: str, *, auto_measure: bool = False,
+                seq_len: int | None = None) -> Profile:
+    """The profile `plan` uses when no --profile is given: the cached measurement of this machine, else
+    (auto_measure: `plan` itself, for this host's CPUs and a small model) a quick measurement, cached;
+    else presets."""
     where = local_device(cluster)
     if where is not None:
         from meshplan.profiler.cache import load_cached, store
@@ -78,13 +101,38 @@ def profile_for(model: ModelSpec, cluster: ClusterSpec, dtype: str) -> Profile:
         cached = load_cached(model, device_name(kind), dtype, concurrent)
         if cached is not None:
             return with_cluster_links(cached, cluster)
-        if auto_profile_enabled() and small_enough(model):
-            print(f"plan: measuring {model.name} on {ranks} {kind} rank(s) ({AUTO_PROFILE_ENV}=1; "
-                  f"cached for the next run)", file=sys.stderr)
-            profile = measure_profile(default_config(model, cluster, dtype, quick=True))
+        if auto_measure and kind == "cpu" and auto_profile_enabled() and small_enough(model, seq_len, ranks):
+            print(f"plan: measuring {model.name} on this host ({ranks} CPU rank{'s' * (ranks > 1)}), once: then cached",
+                  file=sys.stderr, flush=True)
+            cfg = default_config(model, cluster, dtype, seq_len=measured_seq_len(model, seq_len), quick=True,
+                                 show_progress=sys.stderr.isatty())
+            try:
+                profile = measure_profile(cfg)
+            except Exception as exc:  # the plan still comes out, from presets (and preset_note says how to retry)
+                first = (str(exc).strip().splitlines() or [""])[0]
+                print(f"plan: measuring failed ({type(exc).__name__}: {first[:200]})", file=sys.stderr)
+                return preset_profile(model, cluster, dtype)
             store(profile)
             return with_cluster_links(profile, cluster)
-        if sys.stderr.isatty():
-            print(f"plan: no measured profile of {model.name} on this {kind} yet; using presets. "
-                  f"`plan profile {model.name} --cluster {cluster.name}` measures it.", file=sys.stderr)
     return preset_profile(model, cluster, dtype)
+
+
+def measure_command(model_arg: str, cluster_arg: str, dtype: str = "bf16", seq_len: int | None = None) -> str:
+    """The `plan profile` command that measures what `plan` with these inputs would then use."""
+    import shlex
+
+    cmd = f"plan profile {shlex.quote(model_arg)} --cluster {shlex.quote(cluster_arg)}"
+    if dtype != "bf16":
+        cmd += f" --dtype {dtype}"
+    if seq_len:
+        cmd += f" --seq-len {seq_len}"
+    return cmd
+
+
+def preset_note(profile: Profile, cluster: ClusterSpec, model_arg: str, cluster_arg: str, dtype: str = "bf16",
+                seq_len: int | None = None) -> str | None:
+    """One line for stderr when this machine's own hardware was predicted from presets, else None
+    (presets are the point when planning for hardware that is not here)."""
+    if profile.source != "preset" or local_device(cluster) is None:
+        return None
+    return f"plan: prediction from presets; measure with `{measure_command(model_arg, cluster_arg, dtype, seq_len)}`"

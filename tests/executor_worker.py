@@ -15,7 +15,8 @@ from meshplan.executor.train import TrainConfig, Trainer
 from meshplan.planner.plan import load_plan
 
 
-def main() -> None:
+def main(train=lambda trainer, cfg: trainer.run()) -> None:
+    """Train every plan of SPEC with `train(trainer, cfg)`; rank 0 writes what it returns per plan."""
     spec_path, out_path = sys.argv[1], sys.argv[2]
     with open(spec_path) as fh:
         spec = json.load(fh)
@@ -24,7 +25,7 @@ def main() -> None:
     for name, path in spec["plans"].items():
         cfg = TrainConfig(steps=spec["steps"], seed=spec["seed"], quiet=True)
         try:
-            out[name] = Trainer(load_plan(path), cfg, torch.device("cpu")).run()
+            out[name] = train(Trainer(load_plan(path), cfg, torch.device("cpu")), cfg)
         except Exception as exc:  # report and go on with the next plan (all ranks fail alike)
             traceback.print_exc()
             out[name] = f"error: {type(exc).__name__}: {exc}"
@@ -104,6 +105,39 @@ def torchrun(args: list[str], nproc: int, timeout: float = 240, extra_env: dict 
                                                                  "--master-port", str(free_port())]
     return subprocess.run(launcher + args, env=env, capture_output=True, text=True, timeout=timeout,
                           cwd=repo_root())
+
+
+def run_plans(tmp, plans: dict, worker: str, steps: int, seed: int, timeout: float = 420) -> tuple[dict, dict]:
+    """Save every plan under `tmp`, train them all in one 4-process torchrun of `worker` (a script under
+    tests/), and return (the worker's results by plan name, the plan paths)."""
+    import json
+    import os
+
+    from meshplan.planner.plan import save_plan
+
+    paths = {}
+    for name, plan in plans.items():
+        paths[name] = str(tmp / f"{name}.json")
+        save_plan(plan, paths[name])
+    spec = tmp / "spec.json"
+    spec.write_text(json.dumps({"steps": steps, "seed": seed, "plans": paths}))
+    out = tmp / "out.json"
+    proc = torchrun([os.path.join("tests", worker), str(spec), str(out)], nproc=4, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text()), paths
+
+
+def assert_matches_reference(results: tuple[dict, dict], name: str, steps: int, seed: int, rel: float) -> None:
+    """The plan's per-step losses from `run_plans` equal a 1-process loop's within `rel`."""
+    import pytest
+
+    losses, paths = results
+    got = losses[name]
+    assert isinstance(got, list), got
+    want = reference_losses(paths[name], steps, seed)
+    assert len(got) == steps
+    for step, (a, b) in enumerate(zip(got, want), 1):
+        assert a == pytest.approx(b, rel=rel), f"{name} step {step}: {a} vs 1-process fp32 {b}"
 
 
 if __name__ == "__main__":

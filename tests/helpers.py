@@ -13,13 +13,13 @@ def even_stages(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 def make_plan(model: str = "tiny", cluster: str = "4xcpu", dp: int = 1, tp: int = 1, pp: int = 1,
               virtual_stages: int = 1, schedule: str = "1f1b", zero: int = 0, micro_batch_size: int = 2,
               num_micro_batches: int = 2, seq_len: int = 16, recompute: str = "none", dtype: str = "fp32",
-              sequence_parallel: bool = False) -> Plan:
+              sequence_parallel: bool = False, cp: int = 1, cp_mode: str = "ring") -> Plan:
     spec = builtin_model(model)
     parallel = ParallelConfig(
         dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages, zero=zero, schedule=schedule,
         micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches,
         global_batch_size=dp * micro_batch_size * num_micro_batches, seq_len=seq_len, recompute=recompute,
-        dtype=dtype, sequence_parallel=sequence_parallel,
+        dtype=dtype, sequence_parallel=sequence_parallel, cp=cp, cp_mode=cp_mode,
     )
     stages = [
         StagePlan(stage=i, pp_rank=stage_rank(i, pp, schedule, virtual_stages), layers=[a, b],

@@ -83,7 +83,7 @@ def test_rounds_must_be_positive(capsys):
 
 def test_a_run_counts_the_steps_the_executor_times(tmp_path, monkeypatch):
     """The benchmark pools the steps of a run that the executor's own median uses: not the step its CPU
-    memory probe instrumented (the torch profiler slows it many times), not the warm-up step."""
+    memory probe instrumented (every op seen from Python slows it), not the warm-up step."""
     import json
 
     from meshplan.executor.metrics import Metrics

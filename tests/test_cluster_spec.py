@@ -107,3 +107,4 @@ def test_b200_preset():
     assert c.world_size == 16 and c.device.peak_flops["bf16"] == 2250e12
     assert c.device.memory_bytes == 180 * 1000**3 and c.device.memory_bandwidth_Bps == 8e12
     assert c.intra_node.bandwidth_Bps == 900e9 and c.inter_node.bandwidth_Bps == 50e9
+    assert c.intra_node.bus_Bps == pytest.approx(682.2e9) and c.inter_node.bus_Bps == pytest.approx(47e9)

@@ -110,6 +110,60 @@ def test_metrics_jsonl_and_console(tmp_path, run_executor):
     assert "step     3 | loss" in proc.stdout and "predicted 0.0100 s/iter" in proc.stdout
 
 
+NOISE = ("USDT", "CPUAllocator", "profiler_start", "profiler_stop", "Warning", "warn(")
+
+
+def quiet_and_narrow(text: str) -> None:
+    """Nothing from the torch profiler or the CPU allocator, and every line within 80 columns."""
+    for line in text.splitlines():
+        assert not any(n in line for n in NOISE), line
+        assert len(line) <= 80, line
+
+
+def test_cpu_run_is_quiet_and_fits_80_columns(tmp_path, monkeypatch, capfd):
+    """Step 2 runs the CPU memory probe; it used to start the torch profiler, whose kineto printed
+    `USDT ... profiler_start/stop` and c10 a `CPUAllocator` warning straight to the file descriptors
+    (capfd sees them, capsys would not)."""
+    path = tmp_path / "plan.json"
+    save_plan(make_plan(cluster="1xcpu", micro_batch_size=2, num_micro_batches=2), str(path))
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(key, value)
+    assert main([str(path), "--steps", "3", "--metrics", str(tmp_path / "m.jsonl")]) == 0
+    out, err = capfd.readouterr()
+    quiet_and_narrow(out + err)
+    assert "peak tensor memory" in out and err == ""
+    assert len([ln for ln in out.splitlines() if ln.startswith("step ")]) == 3
+
+
+@pytest.mark.slow
+def test_two_rank_run_prints_once(tmp_path):
+    """Under torchrun only rank 0 reports the steps and the summary; no rank prints profiler noise."""
+    path = tmp_path / "plan.json"
+    save_plan(make_plan(pp=2, cluster="2xcpu", num_micro_batches=2), str(path))
+    proc = torchrun(["-m", "meshplan.executor", str(path), "--steps", "3"], nproc=2, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    quiet_and_narrow(proc.stdout + proc.stderr)
+    assert [ln.split("|")[0].split() for ln in proc.stdout.splitlines() if ln.startswith("step ")] == \
+        [["step", "1"], ["step", "2"], ["step", "3"]]
+    assert proc.stdout.count("done: predicted") == 1 and "peak tensor memory" in proc.stdout
+
+
+def test_a_lost_peer_is_recognised_through_wrapping():
+    """A rank whose peer died reports one line instead of a traceback: gloo's error arrives wrapped by
+    torch.distributed.pipelining ("[Stage 0] failed to run forward")."""
+    from meshplan.executor.cli import lost_peer
+
+    try:
+        try:
+            raise RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:40876")
+        except RuntimeError as inner:
+            raise RuntimeError("[Stage 0] failed to run forward") from inner
+    except RuntimeError as exc:
+        assert lost_peer(exc) == "Connection closed by peer"
+    assert lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+
+
 def test_tied_head_is_one_parameter(tmp_path, run_executor):
     """Materialising from the meta device must keep the LM head tied to the embedding (to_empty alone
     gives each its own copy, which then trains apart from the reference)."""

@@ -1,15 +1,13 @@
 """Every plan shape reproduces a 1-process PyTorch loop: the losses of the first 5 steps within 1e-4
 relative (fp32, gloo, 4 processes, one torchrun launch for all plans)."""
 
-import json
-import os
 from dataclasses import replace
 
 import pytest
 from meshplan.planner.model_sources import builtin_model
-from meshplan.planner.plan import Placement, save_plan
+from meshplan.planner.plan import Placement
 
-from tests.executor_worker import reference_losses, torchrun
+from tests.executor_worker import assert_matches_reference, run_plans
 from tests.helpers import make_plan
 
 STEPS, SEED = 5, 3
@@ -38,7 +36,7 @@ PLANS = {  # the issue's eight shapes first, then other schedule x zero x recomp
                                 micro_batch_size=2, num_micro_batches=2),
     # the planner's placement with data parallelism outermost: rank = 2·dp_index + pp_index
     "pp2xdp2-dp-outer-placement": dict(pp=2, dp=2, micro_batch_size=2, num_micro_batches=2,
-                                       placement=Placement(["dp", "pp", "tp"], [[[0], [2]], [[1], [3]]])),
+                                       placement=Placement(["dp", "pp", "cp", "tp"], [[[[0]], [[2]]], [[[1]], [[3]]]])),
 }
 
 
@@ -52,27 +50,12 @@ def build(tied: bool = False, placement: Placement | None = None, **kwargs):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("equiv")
-    paths = {}
-    for name, kwargs in PLANS.items():
-        paths[name] = str(tmp / f"{name}.json")
-        save_plan(build(**kwargs), paths[name])
-    spec = tmp / "spec.json"
-    spec.write_text(json.dumps({"steps": STEPS, "seed": SEED, "plans": paths}))
-    out = tmp / "out.json"
-    proc = torchrun([os.path.join("tests", "executor_worker.py"), str(spec), str(out)], nproc=4, timeout=420)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text()), paths
+    plans = {name: build(**kwargs) for name, kwargs in PLANS.items()}
+    return run_plans(tmp_path_factory.mktemp("equiv"), plans, "executor_worker.py", STEPS, SEED, timeout=420)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PLANS))
 def test_plan_matches_single_process(results, name):
-    losses, paths = results
-    got = losses[name]
-    assert isinstance(got, list), got
-    want = reference_losses(paths[name], STEPS, SEED)
-    assert len(got) == STEPS
-    for step, (a, b) in enumerate(zip(got, want), 1):
-        rel = 1e-4 if PLANS[name].get("dtype", "fp32") == "fp32" else 2e-2
-        assert a == pytest.approx(b, rel=rel), f"{name} step {step}: {a} vs 1-process fp32 {b}"
+    rel = 1e-4 if PLANS[name].get("dtype", "fp32") == "fp32" else 2e-2
+    assert_matches_reference(results, name, STEPS, SEED, rel=rel)

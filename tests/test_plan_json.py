@@ -37,12 +37,14 @@ def _mutated(mutate):
 
 
 @pytest.mark.parametrize("mutate,message", [
-    (lambda d: d.update(schema_version=2), r"plan\.schema_version: expected 1"),
+    (lambda d: d.update(schema_version=3), r"plan\.schema_version: expected one of \[1, 2\]"),
     (lambda d: d["parallel"].update(tp=-1), r"plan\.parallel\.tp: expected a positive integer, got -1"),
     (lambda d: d["parallel"].update(schedule="bogus"), r"plan\.parallel\.schedule: expected one of"),
     (lambda d: d["parallel"].update(global_batch_size=7), r"plan\.parallel\.global_batch_size"),
     (lambda d: d.update(world_size=3), r"plan\.world_size"),
-    (lambda d: d["mesh"].update(shape=[1, 2, 2]), r"plan\.mesh\.shape"),
+    (lambda d: d["mesh"].update(shape=[1, 2, 1, 2]), r"plan\.mesh\.shape"),
+    (lambda d: d["parallel"].update(ep=3), r"plan\.parallel\.ep: expected a divisor of dp x cp = 2"),
+    (lambda d: d["parallel"].update(cp_mode="zigzag"), r"plan\.parallel\.cp_mode: expected one of"),
     (lambda d: d["stages"][1].update(layers=[2, 6]), r"plan\.stages\[1\]\.layers: expected to start at layer 3"),
     (lambda d: d["stages"].pop(), r"plan\.stages: expected pp x virtual_stages = 2"),
     (lambda d: d["model"].pop("hidden_size"), r"plan\.model\.hidden_size: missing"),
@@ -72,15 +74,33 @@ def test_placement_round_trip_and_validation(tmp_path):
     from meshplan.planner.plan import Placement
 
     plan = make_plan(pp=2, dp=2)
-    plan.placement = Placement(["dp", "pp", "tp"], [[[0], [2]], [[1], [3]]])
+    plan.placement = Placement(["dp", "pp", "cp", "tp"], [[[[0]], [[2]]], [[[1]], [[3]]]])
     path = tmp_path / "plan.json"
     save_plan(plan, str(path))
     assert load_plan(str(path)) == plan
     data = plan.to_dict()
-    data["placement"]["ranks"] = [[[0], [0]], [[1], [3]]]
+    data["placement"]["ranks"] = [[[[0]], [[0]]], [[[1]], [[3]]]]
     with pytest.raises(InputError, match=r"plan\.placement\.ranks"):
         Plan.from_dict(data)
-    data["placement"] = {"order": ["pp", "pp", "tp"], "ranks": [[[0], [2]], [[1], [3]]]}
+    data["placement"] = {"order": ["pp", "pp", "cp", "tp"], "ranks": [[[[0]], [[2]]], [[[1]], [[3]]]]}
     with pytest.raises(InputError, match=r"plan\.placement\.order"):
         Plan.from_dict(data)
     assert "placement" not in make_plan().to_dict()  # optional: absent means row-major [pp, dp, tp]
+
+
+def test_schema_1_plan_loads_as_cp_1(tmp_path):
+    """A version-1 file (mesh [pp, dp, tp], 3-level placement) loads with cp = ep = 1."""
+    from meshplan.planner.plan import Placement
+
+    plan = make_plan(pp=2, dp=2)
+    plan.placement = Placement(["dp", "pp", "cp", "tp"], [[[[0]], [[2]]], [[[1]], [[3]]]])
+    data = plan.to_dict()
+    data["schema_version"] = 1
+    data["mesh"] = {"dim_names": ["pp", "dp", "tp"], "shape": [2, 2, 1]}
+    data["placement"] = {"order": ["dp", "pp", "tp"], "ranks": [[[0], [2]], [[1], [3]]]}
+    for key in ("cp", "cp_mode", "ep", "expert_tp"):
+        data["parallel"].pop(key)
+    data["predicted"].pop("exposed_communication_s")
+    again = Plan.from_dict(data)
+    assert again.parallel.cp == again.parallel.ep == 1 and again.mesh.shape == [2, 2, 1, 1]
+    assert again.placement == plan.placement and again.schema_version == 2

@@ -95,7 +95,7 @@ def test_reported_time_bounds_hold_for_every_partition():
     """The bounds the search prunes with are below the time it would report for every partition within
     memory and every recompute count (brute force): before any ILP, after the memory-aware refinement,
     and from a solved partition's own stage times."""
-    model, cl, constraints, profile = _setup(2_500_000, "4xa100-40gb", 5, global_batch_size=8, pp=2)
+    model, cl, constraints, profile = _setup(2_500_000, "4xa100-40gb", 6, global_batch_size=8, pp=2)
     search = Search(model, cl, constraints, profile)
     checked = pipelined = 0
     for cand in candidates(model, cl, constraints, search.placer):
@@ -206,8 +206,8 @@ def test_placement_puts_tp_inside_nodes():
     links = placer.links(pp=2, dp=2, tp=2, order=("dp", "pp", "tp"))
     assert (links.tp, links.dp, links.pp) == ("intra_node", "inter_node", "intra_node")
     ranks = placer.place(2, 2, 2, ("dp", "pp", "tp")).ranks
-    assert ranks.shape == (2, 2, 2) and sorted(ranks.ravel().tolist()) == list(range(8))
-    assert ranks[1][0][0] == 2  # pipeline neighbours are next to each other
+    assert ranks.shape == (2, 2, 1, 2) and sorted(ranks.ravel().tolist()) == list(range(8))
+    assert ranks[1][0][0][0] == 2  # pipeline neighbours are next to each other
 
 
 def test_model_graph_cuts():

@@ -1,0 +1,115 @@
+"""apply_ep: expert parallelism in the style of torchtitan's ExpertParallel.
+
+EP is carved out of the data-parallel (dp x cp) ranks (DESIGN.md §3, as Megatron-Core and torchtitan
+do): the dp·cp ranks of one (pp, tp) position are laid out as an (expert_dp, ep) grid, ep innermost, by
+unflattening the world mesh (`DeviceMesh._unflatten`, which keeps one root mesh, so FSDP2 can compose
+the two). Each EP rank holds num_experts/ep experts: the stacked expert weights become DTensors sharded
+on dim 0 over the "ep" mesh. In a MoE block's forward the routed rows, sorted by global expert, go to
+the rank of their expert with one `all_to_all_single` (autograd-aware:
+torch.distributed._functional_collectives.all_to_all_single_autograd, which runs on gloo in torch 2.13;
+the row counts go first, with a plain all_to_all_single), are regrouped by local expert, computed, put
+back in arrival order and returned with a second all-to-all (dispatch and combine; backward runs the
+same two in reverse).
+
+Gradients: an expert's gradient on its EP rank already sums the contributions of every token of the EP
+group that was routed to it. FSDP2 over the "edp" mesh (`shard_experts`) then sums over the
+expert-data-parallel replicas, with a gradient divide factor of dp·cp (torchtitan's
+`set_gradient_divide_factor`) instead of edp, so that experts get the gradient of the mean loss over all
+dp·cp ranks, exactly as the dense parameters that FSDP averages over dp.
+
+Tensor parallelism (expert_tp = 1): attention is tensor-parallel as usual; the MoE feed-forward runs
+replicated on the TP ranks over the whole sequence (with sequence parallelism its input is gathered and
+its output re-sharded on the sequence, whose backward all-gathers the gradient, so every TP rank computes
+identical expert gradients). expert_tp = tp (experts sharded over TP too) is not run by this executor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from meshplan.executor.moe import GroupedExperts, MoE
+from meshplan.planner.plan import ParallelConfig
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+
+def expert_meshes(mesh: DeviceMesh, cfg: ParallelConfig) -> tuple[DeviceMesh, DeviceMesh]:
+    """(ep mesh, expert-data-parallel mesh) from the plan's [pp, dp, cp, tp] world mesh: the dp·cp ranks
+    of each (pp, tp) position reshaped to (edp, ep), ep innermost (consecutive in dp-major, cp-minor order)."""
+    sizes, names = (cfg.expert_dp, cfg.ep), ("edp", "ep")
+    if cfg.cp == 1:
+        grid = mesh._unflatten("dp", sizes, names)
+    else:
+        grid = mesh["dp", "cp"]._flatten("dp_cp")._unflatten(0, sizes, names)
+    return grid["ep"], grid["edp"]
+
+
+class AllToAllDispatch:
+    """Dispatch routed rows to the EP ranks of their experts, compute the local experts, combine back."""
+
+    def __init__(self, group: dist.ProcessGroup, ep: int):
+        self.group, self.ep = group, ep
+
+    def __call__(self, experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ep = self.ep
+        local = experts.num_experts // ep
+        # counts[e] rows for global expert e; chunk j of the counts belongs to EP rank j's experts
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)
+        send_splits = counts.view(ep, local).sum(1).tolist()
+        from_rank = received.view(ep, local)  # [source rank, local expert]
+        recv_splits = from_rank.sum(1).tolist()
+        rows = all_to_all_single_autograd(x, recv_splits, send_splits, self.group)
+        # arrival order is (source rank, local expert): regroup by local expert, stable in source order
+        expert_of_row = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(from_rank.flatten())
+        perm = torch.argsort(expert_of_row, stable=True)
+        out = experts.compute(rows[perm], from_rank.sum(0).tolist())
+        out = out[torch.argsort(perm)]  # back to arrival order
+        return all_to_all_single_autograd(out, send_splits, recv_splits, self.group)
+
+
+def _experts(module: nn.Module) -> list[GroupedExperts]:
+    return [m for m in module.modules() if isinstance(m, GroupedExperts)]
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Shard every MoE block's experts over `ep_mesh` (dim 0, num_experts/ep per rank) and route their
+    rows through all-to-all. Runs on the meta device, before activation checkpointing and FSDP."""
+    ep = ep_mesh.size()
+    for experts in _experts(model):
+        if experts.num_experts % ep:
+            raise ValueError(f"plan.parallel.ep: {ep} does not divide the model's {experts.num_experts} experts")
+        for name, p in list(experts.named_parameters(recurse=False)):
+            experts.register_parameter(name, nn.Parameter(distribute_tensor(p, ep_mesh, [Shard(0)])))
+        experts.dispatcher = AllToAllDispatch(ep_mesh.get_group(), ep)
+
+
+def shard_experts(block: nn.Module, edp_mesh: DeviceMesh, cfg: ParallelConfig, wrap) -> None:
+    """FSDP2 (or replicate) of a block's experts over the expert-data-parallel mesh, before the block
+    itself is wrapped over dp (which then leaves the experts' parameters to this group). `wrap`:
+    apply_dp's engine call with its mixed-precision policy, given the mesh."""
+    for experts in _experts(block):
+        wrap(experts, mesh=edp_mesh)
+        experts.set_gradient_divide_factor(float(cfg.dp * cfg.cp))
+        # gloo has no PREMUL_SUM: FSDP's reduce-scatter over edp > 1 ranks then sums and divides after.
+        # Not where no reduce-scatter runs (one rank, or ZeRO-0's replicate, which all-reduces): there torch
+        # 2.13's foreach_reduce divides by the factor while copying and, forced to sum, once more afterwards.
+        if edp_mesh.device_type == "cpu" and edp_mesh.size() > 1 and cfg.zero >= 1:
+            experts.set_force_sum_reduction_for_comms(True)
+
+
+def moe_tp_plan(sequence_parallel: bool) -> dict:
+    """TP plan entries of a MoE block's feed-forward (expert_tp = 1): replicated over the TP ranks; with
+    sequence parallelism the input is gathered over the sequence and the output sharded back."""
+    if not sequence_parallel:
+        return {}
+    return {"feed_forward": PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)}
+
+
+def is_moe_block(block: nn.Module) -> bool:
+    return any(isinstance(m, MoE) for m in block.modules())

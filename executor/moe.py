@@ -1,0 +1,171 @@
+"""The mixture-of-experts feed-forward of a sparse block (ModelSpec.moe): router, routed experts,
+optional shared experts, and the load-balancing loss.
+
+Routing (Mixtral, Qwen-MoE): router logits = Linear(h, E, no bias)(x); scores = softmax over the E
+experts (or a sigmoid per expert); the top_k experts of each token are kept, their scores renormalised
+to sum to 1 when `norm_topk_prob`. Dropless: every routed (token, expert) pair is computed (tokens are
+sorted by expert, each expert runs one GEMM over its rows, torchtitan's GroupedExperts loop path).
+The experts' weights are stacked [E, out, in] (`w1`, `w3` gate/up, `w2` down), so expert parallelism
+shards them on dim 0 (executor/expert_parallel.py); the module only ever sees its local experts.
+
+Load-balancing loss: Switch Transformer's (Fedus et al. 2022, eq. 4) with Megatron-Core's top-k
+normalisation (switch_load_balancing_loss_func: E/(k·T²) · sum_i count_i · sum_t p_t,i, 1 when perfectly
+balanced), computed per sequence and averaged over the sequences (T = the sequence's tokens; DeepSeek-V3
+uses the same per-sequence form). Per sequence, it is a sum over the batch's rows, so any split of the
+global batch into data-parallel shards and micro-batches gives the same gradient as the whole batch at
+once: every plan trains the same model. The loss is not added to the reported loss; its gradient is
+injected into backward at the block's output (Megatron-Core's MoEAuxLossAutoScaler), scaled by
+`aux_loss_scale` = the scale the training loop applies to the main loss (1/num_micro_batches in a plain
+loop, the fp16 loss scale), set by `set_aux_loss_scale`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from meshplan.planner.model_spec import ModelSpec
+from torch.distributed.tensor import DTensor
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on `out`; in backward, d(aux)/d(aux) = 1 flows into the auxiliary loss's graph
+    (Megatron-Core moe_utils.MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.ones_like(aux)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class GroupedExperts(nn.Module):
+    """E experts (SwiGLU or GELU MLPs without bias) as stacked weights. `forward(x, counts)`: x holds the
+    routed rows sorted by expert, counts[e] rows for expert e. Under expert parallelism `dispatcher` (set
+    by apply_ep) exchanges the rows with the ranks that hold their experts and calls `compute`."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        assert spec.moe is not None
+        e, h, f = spec.moe.num_experts, spec.hidden_size, spec.moe.expert_ffn_hidden_size
+        self.num_experts = e
+        self.swiglu = spec.mlp == "swiglu"
+        self.w1 = nn.Parameter(torch.empty(e, f, h))
+        self.w2 = nn.Parameter(torch.empty(e, h, f))
+        self.w3 = nn.Parameter(torch.empty(e, f, h)) if self.swiglu else None
+        self.dispatcher = None
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.dispatcher is not None:
+            return self.dispatcher(self, x, counts)
+        return self.compute(x, counts.tolist())
+
+    def compute(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The local experts over their rows (len(counts) = local experts), one GEMM chain per expert."""
+        w1, w2 = _local(self.w1), _local(self.w2)
+        w3 = _local(self.w3) if self.w3 is not None else None
+        outs = []
+        for e, rows in enumerate(torch.split(x, counts)):
+            if w3 is not None:
+                hidden = F.silu(rows @ w1[e].t()) * (rows @ w3[e].t())
+            else:
+                hidden = F.gelu(rows @ w1[e].t(), approximate="tanh")
+            outs.append(hidden @ w2[e].t())
+        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
+
+
+class SharedExperts(nn.Module):
+    """Always-on experts (Qwen2-MoE's shared expert: one MLP of the shared size), no bias."""
+
+    def __init__(self, spec: ModelSpec, ffn: int):
+        super().__init__()
+        h = spec.hidden_size
+        self.w1 = nn.Linear(h, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, h, bias=False)
+        self.w3 = nn.Linear(h, ffn, bias=False) if spec.mlp == "swiglu" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class MoE(nn.Module):
+    """Router + routed experts (+ shared experts); input and output [b, s, h]."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        moe = spec.moe
+        assert moe is not None
+        if moe.capacity_factor is not None:
+            raise ValueError("executor: MoE capacity factors (token dropping) are not implemented; "
+                             "set model.moe.capacity_factor to null (dropless)")
+        self.cfg = moe
+        self.gate = nn.Linear(spec.hidden_size, moe.num_experts, bias=False)
+        self.experts = GroupedExperts(spec)
+        self.shared_experts = SharedExperts(spec, moe.shared_expert_ffn_hidden_size) \
+            if moe.num_shared_experts else None
+        self.shared_gate = nn.Linear(spec.hidden_size, 1, bias=False) if moe.shared_expert_gate else None
+        self.aux_loss_scale = 1.0
+
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(scores over all experts [T, E] in fp32, the top-k weights [T, k], their expert ids [T, k])."""
+        logits = self.gate(flat).float()
+        scores = torch.softmax(logits, dim=-1) if self.cfg.router == "softmax" else torch.sigmoid(logits)
+        weights, ids = torch.topk(scores, self.cfg.top_k, dim=-1)
+        if self.cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return scores, weights, ids
+
+    def aux_loss(self, scores: torch.Tensor, ids: torch.Tensor, b: int, s: int) -> torch.Tensor:
+        """Load-balancing loss, per sequence, averaged over the b sequences (module docstring)."""
+        e, k = self.cfg.num_experts, self.cfg.top_k
+        if self.cfg.router == "sigmoid":  # per-expert sigmoid scores: compare their shares, as for softmax
+            scores = scores / scores.sum(dim=-1, keepdim=True)
+        probs = scores.view(b, s, e).mean(dim=1)  # [b, E]
+        counts = F.one_hot(ids.view(b, s * k), e).sum(dim=1).float()  # [b, E]
+        return (probs * counts).sum(dim=-1).mean() * (e / (k * s))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        flat = x.reshape(-1, h)
+        scores, weights, ids = self.route(flat)
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.cfg.num_experts)
+        token = order // self.cfg.top_k
+        routed = self.experts(flat[token], counts)
+        routed = routed * weights.reshape(-1)[order].unsqueeze(-1).to(routed.dtype)
+        out = torch.zeros_like(flat).index_add(0, token, routed)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(flat)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(flat)) * shared
+            out = out + shared
+        out = out.view(b, s, h)
+        coef = self.cfg.aux_loss_coef
+        if coef > 0 and torch.is_grad_enabled() and self.training:
+            aux = self.aux_loss(scores, ids, b, s) * (coef * self.aux_loss_scale)
+            out = _AttachAuxLoss.apply(out, aux)
+        return out
+
+
+def moe_modules(module: nn.Module) -> list[MoE]:
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+def set_aux_loss_scale(modules: list[nn.Module], scale: float) -> None:
+    """The factor the training loop applies to the main loss's gradient (1/num_micro_batches for a plain
+    loop that divides each micro-batch's loss, the fp16 loss scale): the load-balancing loss's gradient
+    gets the same, so that its weight relative to the main loss is `aux_loss_coef` in every plan."""
+    for module in modules:
+        for moe in moe_modules(module):
+            moe.aux_loss_scale = scale

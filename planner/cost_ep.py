@@ -1,0 +1,273 @@
+"""Cost terms of expert parallelism (EP, DESIGN.md §5) for mixture-of-experts models (ModelSpec.moe).
+
+EP is carved out of the dp·cp ranks (DESIGN.md §3): each EP rank holds num_experts/ep experts, and in every
+MoE block the routed tokens go to their experts' ranks and come back with two all-to-alls (dispatch,
+combine) in forward and two in backward (Lepikhin et al. 2020, GShard §2.2; Megatron-Core MoE's alltoall
+token dispatcher). How the MoE layer meets tensor parallelism (expert_tp) follows Megatron-Core and
+torchtitan: with expert_tp = 1 each TP rank routes its own sequence shard (T/tp tokens) to whole experts;
+with expert_tp = tp the experts' width is split over the TP group as well. Either way a rank's routed rows
+are T·top_k/tp per micro-batch on average, T = b·s/cp its tokens, and the expert FLOPs per rank are
+÷tp (profiler/moe_cost.py). meshplan's own executor runs the MoE replicated over TP with expert_tp = 1
+(executor/expert_parallel.py): its tp ranks repeat the MoE's work, which this model does not charge.
+
+Terms, per MoE block and micro-batch (a model's "block" is the mean over its dense and sparse blocks, so
+each term is weighted by the sparse fraction):
+- All-to-all: 4 per block (dispatch + combine, forward and backward; full recompute replays the forward
+  two), each moving imbalance · (T/tp) · top_k · h values per rank, (ep − 1)/ep of it off the rank: an
+  all-to-all over n ranks runs with the all-gather's bus factor (n − 1)/n (nccl-tests PERFORMANCE.md), as
+  planner/cost_cp.all_to_all_time times it, on the link class of the EP group as placed (intra-node when
+  the ep ranks share an NVLink domain, else the NICs). On the critical path: the dispatcher waits for its
+  tokens (Megatron-Core overlaps only the shared experts, which this model ignores).
+- Load imbalance: the busiest EP rank receives `imbalance` times the mean rows; its all-to-alls and its
+  grouped GEMMs set the pace. Default DEFAULT_IMBALANCE = 1.25, the capacity factor that Switch Transformer
+  (Fedus et al. 2022, §2.2 and Table 1: 1.0-1.25 as the useful range) and GShard (Lepikhin et al. 2020,
+  §2.2, expert capacity) size an expert's buffer with: under a load-balancing loss a dropless router's
+  busiest expert stays near the load a capacity-factor router accepts. Settable (`plan --moe-imbalance`).
+- Grouped GEMM: the rank's E/ep experts run as one grouped GEMM (Megatron-Core --moe-grouped-gemm) of
+  E/ep GEMMs with imbalance · T·top_k·ep/E rows each; on GPU presets the roofline's tile and wave
+  quantisation of those small GEMMs is their efficiency (profiler/moe_cost.moe_ffn_time). Measured
+  profiles time the executor's MoE at ep = 1; EP then scales the routed experts' share by the imbalance.
+- Memory: a MoE block's routed experts ÷ (ep · expert_tp) per rank instead of ÷ tp; their gradients and
+  optimizer state sharded by ZeRO over the expert-data-parallel ranks dp·cp/ep (DESIGN.md §3), the rest
+  of the block over dp·cp; their gradient reduction runs over those edp ranks. Token buffers at the
+  block's peak: the received rows and the combine's output, 2 · imbalance · (T/tp)·top_k·h values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from meshplan.planner.cost_cp import CPTerms, all_to_all_time
+from meshplan.planner.cost_model import (
+    Candidate,
+    GradSync,
+    Links,
+    Terms,
+    Workspace,
+    compute_time,
+    dp_sync_time,
+    optimizer_time,
+    sharded_dp_time,
+    state_bytes_per_param,
+)
+from meshplan.planner.model_spec import ModelSpec, expert_params, is_sparse_block
+from meshplan.planner.topology import group_class
+from meshplan.profiler.analytic import DTYPE_BYTES, layer_forward_flops
+from meshplan.profiler.moe_cost import moe_ffn_time, routed_mats, sparse_fraction
+
+# Busiest EP rank's routed rows over the mean (module docstring: Fedus et al. 2022's capacity factor 1.25).
+DEFAULT_IMBALANCE = 1.25
+
+
+def is_moe(model: ModelSpec) -> bool:
+    return model.moe is not None
+
+
+def ep_options(model: ModelSpec, dp: int, cp: int, tp: int, ep_pin: int | None, etp_pin: int | None,
+               schedule: str = "1f1b") -> list[tuple[int, int]]:
+    """(ep, expert_tp) pairs the search tries for a mesh: ep a divisor of dp·cp and of the expert count;
+    expert_tp 1 or tp (tp must divide the experts' width). A dense model: (1, 1) only (no enumeration, so
+    dense planning speed is unchanged). Zero-bubble schedules keep ep = 1: the executor does not split the
+    all-to-all's backward into input and weight passes (executor/checks.py)."""
+    if model.moe is None:
+        return [(1, 1)]
+    e = model.moe.num_experts
+    eps = [d for d in range(1, dp * cp + 1) if (dp * cp) % d == 0 and e % d == 0
+           and (d == 1 or schedule != "zero-bubble")]
+    etps = [1] + ([tp] if tp > 1 and model.moe.expert_ffn_hidden_size % tp == 0 else [])
+    return [(ep, etp) for ep in eps for etp in etps
+            if (ep_pin is None or ep == ep_pin) and (etp_pin is None or etp == etp_pin)]
+
+
+def ep_link(placer, cand: Candidate) -> str:
+    """Link class of the worst EP group as placed: the dp·cp ranks of each (pp, tp) position, dp-major and
+    cp-minor, cut into runs of ep (executor/expert_parallel.expert_meshes)."""
+    if cand.ep <= 1:
+        return "intra_node"
+    memo = placer.__dict__.setdefault("_ep_links", {})
+    key = (cand.pp, cand.dp, cand.tp, cand.order, cand.cp, cand.ep)
+    if key not in memo:
+        ranks = placer.place(cand.pp, cand.dp, cand.tp, cand.order, cand.cp).ranks  # [pp, dp, cp, tp]
+        grid = ranks.reshape(cand.pp, cand.dp * cand.cp // cand.ep, cand.ep, cand.tp)
+        memo[key] = group_class(placer.domains[grid], placer.sus[grid], 2)
+    return memo[key]
+
+
+def links_with_ep(placer, cand: Candidate, links: Links) -> Links:
+    return replace(links, ep=ep_link(placer, cand)) if cand.ep > 1 else links
+
+
+def local_tokens(b: int, s: int, cp: int) -> float:
+    return float(b * (s // cp))
+
+
+def dispatch_bytes(model: ModelSpec, tokens: float, tp: int, dtype: str, imbalance: float) -> float:
+    """Bytes one all-to-all moves per rank (the busiest): imbalance · (T/tp) · top_k · h values."""
+    assert model.moe is not None
+    return imbalance * tokens / tp * model.moe.top_k * model.hidden_size * DTYPE_BYTES[dtype]
+
+
+def ep_comm_time(profile, model: ModelSpec, tokens: float, tp: int, ep: int, dtype: str, link: str,
+                 imbalance: float) -> tuple[float, float]:
+    """(forward, backward) all-to-all seconds of one MoE block per micro-batch: dispatch + combine each way."""
+    if ep <= 1 or model.moe is None:
+        return 0.0, 0.0
+    one = all_to_all_time(profile, dispatch_bytes(model, tokens, tp, dtype, imbalance), ep, link)
+    k = profile.correction("ep_comm") if hasattr(profile, "correction") else 1.0
+    return 2.0 * one * k, 2.0 * one * k
+
+
+def expert_compute_delta(profile, model: ModelSpec, b: int, s: int, tp: int, ep: int, expert_tp: int,
+                         imbalance: float) -> tuple[float, float]:
+    """(forward, backward) seconds to add to the profile's MoE block (timed at ep = 1, balanced) for the
+    busiest EP rank. GPU presets: the roofline's grouped GEMMs at this ep and imbalance, less at ep = 1.
+    Measured / FLOP profiles: the routed experts' FLOP share of the block times (imbalance − 1)."""
+    phi = sparse_fraction(model)
+    rl = getattr(profile, "roofline", None)
+    tokens = float(b * s)
+    if rl is not None:
+        shard = tp if expert_tp == tp else 1
+        tok = tokens if expert_tp == tp else tokens / tp  # etp = 1: the rank routes its sequence shard
+        nf, nb = moe_ffn_time(rl, model, tok, tp if expert_tp == tp else 1, ep, shard, imbalance)
+        bf, bb = moe_ffn_time(rl, model, tokens, tp)
+        k = profile.correction("compute")
+        return phi * (nf - bf) * k, phi * (nb - bb) * k
+    fwd, bwd = compute_time(profile, "block", b, s, tp)
+    total = layer_forward_flops(model, "block", b, s, tp)
+    share = phi * 2.0 * b * s * routed_mats(model) / tp / total if total > 0 else 0.0
+    return fwd * share * (imbalance - 1.0), bwd * share * (imbalance - 1.0)
+
+
+def token_buffer_bytes(model: ModelSpec, tokens: float, tp: int, ep: int, dtype: str, imbalance: float) -> float:
+    """Transient bytes of a MoE block at its peak: the received rows and the combined output."""
+    if model.moe is None:
+        return 0.0
+    return 2.0 * dispatch_bytes(model, tokens, tp, dtype, imbalance if ep > 1 else 1.0)
+
+
+class _EPMixin:
+    """Terms of a MoE model's candidate (any ep): blocks carry the EP all-to-alls in their communication
+    value and the busiest rank's expert compute; per-layer state and gradient sync split experts from the
+    rest. Mixed into Terms, or into CPTerms when cp > 1 (so CP's own terms stay)."""
+
+    ep: int
+    expert_tp: int
+    ep_link: str
+    imbalance: float
+
+    def _setup(self, ep: int, expert_tp: int, link: str, imbalance: float) -> None:
+        self.ep, self.expert_tp, self.ep_link, self.imbalance = ep, expert_tp, link, imbalance
+
+    def _cp(self) -> int:
+        return getattr(self, "cp", 1)
+
+    def ep_comm(self, b: int, tp: int) -> tuple[float, float]:
+        """(forward, backward) all-to-all seconds of the mean block per micro-batch."""
+        def make():
+            tokens = local_tokens(b, self.s, self._cp())
+            f, g = ep_comm_time(self.profile, self.model, tokens, tp, self.ep, self.dtype, self.ep_link,
+                                self.imbalance)
+            phi = sparse_fraction(self.model)
+            return phi * f, phi * g
+        return self._get(("ep comm", b, tp), make)
+
+    def kind(self, kind: str, b: int, tp: int, schedule: str = "1f1b") -> tuple[float, float, float, float]:
+        row = super().kind(kind, b, tp, schedule)
+        if kind != "block":
+            return row
+
+        def make():
+            f, g, c, a = row
+            df, dg = self.compute_delta(b, tp)
+            return f + df, g + dg, c + sum(self.ep_comm(b, tp)), a
+        return self._get(("ep kind", b, tp, schedule == "zero-bubble"), make)
+
+    def compute_delta(self, b: int, tp: int) -> tuple[float, float]:
+        """(forward, backward) seconds the busiest EP rank's experts add to the profile's block."""
+        return self._get(("ep delta", b, tp), lambda: expert_compute_delta(
+            self.profile, self.model, b, self.s // self._cp(), tp, self.ep, self.expert_tp, self.imbalance))
+
+    def recompute(self, b: int, tp: int, mode: str) -> tuple[float, float, float]:
+        """Full recompute replays the block's forward, its experts' delta, dispatch and combine included."""
+        rec, saving, rec_tp = super().recompute(b, tp, mode)
+        if mode == "none" or not self.model.num_layers:
+            return rec, saving, rec_tp
+        if not isinstance(self, CPTerms):  # Terms.recompute subtracts the block's whole communication value,
+            bias = sum(self.ep_comm(b, tp))  # whose EP part is not tensor-parallel traffic: give it back
+            rec, rec_tp = rec + bias, rec_tp + bias
+        if mode == "full":
+            rec += self.ep_comm(b, tp)[0] + self.compute_delta(b, tp)[0]
+        return rec, saving, rec_tp
+
+    def per_layer(self, tp: int, dp: int, zero: int, link: str, sync: GradSync = GradSync(False, 1)
+                  ) -> tuple[list, list, list, list]:
+        """`dp` = dp·cp. A MoE block: experts ÷ (ep·expert_tp), ZeRO and gradient sync over dp·cp/ep; the
+        rest as Terms.per_layer."""
+        def make():
+            base = super(_EPMixin, self).per_layer(tp, dp, zero, link, sync)
+            out = tuple(list(x) for x in base)
+            model = self.model
+            edp = max(1, dp // self.ep)
+            experts = model.moe.num_experts * expert_params(model)
+            ex = experts / (self.ep * self.expert_tp)
+            bytes_dp = sum(state_bytes_per_param(self.dtype, zero, dp, sync.full_grads))
+            bytes_edp = sum(state_bytes_per_param(self.dtype, zero, edp, sync.full_grads))
+            in_situ = dp > 1 and self.profile.wrapper(zero) is not None
+            for i, layer in enumerate(model.layers):
+                if layer.kind != "block" or not is_sparse_block(model, int(layer.name.split(".")[-1])):
+                    continue
+                rest = (layer.params - experts) / tp
+                out[0][i] = rest * bytes_dp + ex * bytes_edp
+                out[1][i] = optimizer_time(self.profile, rest, dp, zero, tp) + \
+                    optimizer_time(self.profile, ex, edp, zero, tp)
+                out[2][i] = dp_sync_time(self.profile, rest, self.dtype, dp, zero, link, sync.reductions) + \
+                    dp_sync_time(self.profile, ex, self.dtype, edp, zero, link, sync.reductions)
+                out[3][i] = sharded_dp_time(self.profile, rest, self.dtype, dp, zero, link) + \
+                    sharded_dp_time(self.profile, ex, self.dtype, edp, zero, link) if not in_situ else out[3][i]
+            return out
+        return self._get(("ep layer", tp, dp, zero, link, sync), make)
+
+
+class EPTerms(_EPMixin, Terms):
+    def __init__(self, base: Terms, ep: int, expert_tp: int, link: str, imbalance: float):
+        Terms.__init__(self, base.model, base.profile, base.s, base.dtype)
+        self._setup(ep, expert_tp, link, imbalance)
+
+
+class EPCPTerms(_EPMixin, CPTerms):
+    def __init__(self, base: CPTerms, ep: int, expert_tp: int, link: str, imbalance: float):
+        CPTerms.__init__(self, base, base.cp, base.mode, base.link)
+        self._setup(ep, expert_tp, link, imbalance)
+
+
+def ep_terms(terms: Terms, cand: Candidate, link: str, imbalance: float = DEFAULT_IMBALANCE) -> Terms:
+    """The Terms of a MoE model's candidate (`terms` itself for a dense model), memoised on `terms`."""
+    if terms.model.moe is None:
+        return terms
+    key = ("ep terms", cand.ep, cand.expert_tp, link, imbalance)
+    cls = EPCPTerms if isinstance(terms, CPTerms) else EPTerms
+    return terms._get(key, lambda: cls(terms, cand.ep, cand.expert_tp, link, imbalance))
+
+
+def add_ep_buffers(ws: Workspace, model: ModelSpec, cand: Candidate, s: int, dtype: str,
+                   imbalance: float = DEFAULT_IMBALANCE) -> Workspace:
+    """The step's transients with a MoE block's token buffers at every rank's activation peak."""
+    if model.moe is None:
+        return ws
+    extra = token_buffer_bytes(model, local_tokens(cand.b, s, cand.cp), cand.tp, cand.ep, dtype, imbalance)
+    return Workspace([x + extra for x in ws.act], ws.emb, ws.opt, ws.per_layer)
+
+
+def exposed_ep_per_iteration(terms: Terms, cand: Candidate, problem, bounds: list[int], recompute: list[int]
+                             ) -> float:
+    """Seconds per iteration the busiest pipeline rank spends in EP all-to-alls: its blocks' forward and
+    backward all-to-alls (and the replayed forward ones of fully recomputed blocks) over m micro-batches."""
+    if not isinstance(terms, _EPMixin) or cand.ep <= 1:
+        return 0.0
+    f, g = terms.ep_comm(cand.b, cand.tp)
+    per_rank = [0.0] * problem.pp
+    for k, r in enumerate(problem.rank):
+        blocks = sum(1 for kind in problem.kinds[bounds[k]:bounds[k + 1]] if kind == "block")
+        again = recompute[k] if cand.recompute == "full" else 0
+        per_rank[r] += blocks * (f + g) + again * f
+    return cand.m * max(per_rank)

@@ -1,0 +1,71 @@
+"""What the planner's output says about context parallelism: the CP group and where it lands, the
+exposed CP communication, which engines run the mode, and why the search chose this CP degree."""
+
+from __future__ import annotations
+
+from meshplan.planner.export_cp import engines_line
+from meshplan.planner.plan import ParallelConfig, Plan
+from meshplan.planner.report import human_bytes
+
+
+def cp_tag(p: ParallelConfig) -> str:
+    """' cp=4 (ring)' for a mesh line, '' without CP."""
+    return f" cp={p.cp} ({p.cp_mode})" if p.cp > 1 else ""
+
+
+def _secs(s: float) -> str:
+    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
+
+
+def cp_group_text(plan: Plan) -> str:
+    """The first CP group's devices and whether CP groups stay inside a node."""
+    p, c = plan.parallel, plan.cluster
+    if plan.placement is not None:
+        group = [int(r) for r in [row[0] for row in plan.placement.ranks[0][0]]]
+        groups = [[int(x[0]) for x in dp_row] for pp_row in plan.placement.ranks for dp_row in pp_row]
+    else:  # row-major [pp, dp, cp, tp]
+        group = [k * p.tp for k in range(p.cp)]
+        groups = [[(g * p.cp + k) * p.tp for k in range(p.cp)] for g in range(p.pp * p.dp)]
+    inside = all(len({c.node_of(r) for r in g}) == 1 for g in groups)
+    where = "each inside one node" if inside else "spanning nodes"
+    return f"CP groups of {p.cp} ranks {where} (first: devices {group}, with their tp peers)"
+
+
+def cp_lines(plan: Plan) -> list[str]:
+    """Lines for `plan` and `plan show` on a plan with cp > 1 (none otherwise)."""
+    p = plan.parallel
+    if p.cp == 1:
+        return []
+    exposed = plan.predicted.exposed_communication_s.get("cp")
+    comm = {"ring": f"ring: {p.cp - 1} KV exchanges per layer, overlapped with attention blocks",
+            "all-to-all": "all-to-all: 4 all-to-alls per layer forward and backward"}[p.cp_mode]
+    lines = [f"context parallelism: cp={p.cp} ({comm}); {p.seq_len // p.cp} of {p.seq_len} tokens per rank, "
+             f"activations and loss / {p.cp}",
+             f"  {cp_group_text(plan)}"
+             + (f"; exposed CP communication {_secs(exposed)} per iteration" if exposed is not None else "")]
+    lines.append("  " + engines_line(plan))
+    return lines
+
+
+def cp_choice_notes(search, plan: Plan) -> list[str]:
+    """Why this CP degree: per CP degree the search enumerated, its candidates and the least iteration time
+    any of them can reach (a lower bound, from `Search.bounds`) among those whose memory bound fits.
+    Empty when only one degree was enumerated."""
+    per: dict[int, list] = {}
+    for bound, memory, cand in search.bounds_seen:
+        per.setdefault(cand.cp, []).append((bound, memory))
+    if len(per) <= 1:
+        return []
+    chosen, limit = plan.parallel.cp, search.mem_limit
+    parts = []
+    for cp in sorted(per):
+        rows = per[cp]
+        fits = [b for b, m in rows if m <= limit * (1 + 1e-9)]
+        if cp == chosen:
+            parts.append(f"cp={cp}: chosen, {_secs(plan.predicted.iteration_time_s)}")
+        elif fits:
+            parts.append(f"cp={cp}: >= {_secs(min(fits))}")
+        else:
+            need = min(m for _, m in rows)
+            parts.append(f"cp={cp}: none fits (least {human_bytes(need)} > {human_bytes(limit)} usable)")
+    return ["context parallelism weighed (" + "; ".join(parts) + ")"]

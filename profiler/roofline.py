@@ -1,0 +1,186 @@
+"""Per-operation time of a layer on hardware that is not present (presets), from the device's sourced
+figures (docs/sources/hardware_constants.md):
+
+- GEMMs by shape (M, N, K): the largest-GEMM ceiling measured on the device (MAMF) times cuBLAS's tile
+  and wave quantisation (NVIDIA Matrix Multiplication Background guide §3.1-3.2: 256x128 output tiles,
+  the most efficient cuBLAS tile, §2.3; one wave = one tile per SM), bounded below by the bytes moved
+  over HBM (roofline). Backward = the two GEMMs of dX and dW.
+- Causal attention, fused (flash): FLOPs of the causal core (flash-attention's own count: half of
+  4·b·s²·heads·head_dim forward, 2.5x that backward) at flash-attention-2's measured fwd+bwd rate for
+  the device, sequence length and head size. Unfused (Megatron-LM before flash attention, with dropout
+  on the probabilities, as Korthikanti et al. 2022 count it): QKᵀ and AV as batched GEMMs, the fused
+  scale-mask-softmax and the dropout as bytes over HBM, on the full s x s matrix.
+- Memory-bound ops (norms, activations, rotary, residuals and dropout, loss): bytes over HBM at the
+  achievable fraction; backward moves about twice the forward's bytes (reads the gradient and the saved
+  input, writes the input gradient).
+- Every kernel takes at least the launch floor.
+The measured-profile path (profiler/measure.py) does not use this module.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from meshplan.planner.errors import InputError
+from meshplan.planner.fields import Fields
+from meshplan.planner.model_spec import ModelSpec, vocab_shard
+from meshplan.profiler.moe_cost import block_ffn_time_correction
+
+ATTENTION = ("flash", "unfused")
+ACTIVATIONS = ("gathered", "sharded")
+TILE_M, TILE_N = 256, 128  # cuBLAS's most efficient tile (Matrix Multiplication Background guide §2.3)
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """Device rates for one dtype, and the attention kernel the training software runs."""
+
+    peak_flops: float  # dense tensor-core peak (datasheet)
+    gemm_fraction: float  # MAMF / peak: largest GEMM throughput measured on the device
+    sm_count: int
+    hbm_Bps: float  # datasheet HBM bandwidth
+    hbm_fraction: float  # achievable share of it for streaming kernels
+    attention_flops: dict[str, list[list[float]]]  # "hd64"/"hd128": [[seq_len, FLOP/s fwd+bwd causal], ...]
+    launch_s: float  # floor per kernel
+    # The training software, for presets: the executor's by default. "unfused": Megatron-LM 2021-22,
+    # softmax and dropout materialised. activations "sharded": with sequence parallelism a column-parallel
+    # Linear keeps its input's sequence shard and gathers it again in backward (Megatron-LM, Korthikanti
+    # et al. 2022 Eq. 5); "gathered": it keeps the gathered input (torch's SequenceParallel, the executor).
+    # grad_overlap False: the data-parallel reduction starts after the whole backward (Megatron-LM's local
+    # DDP of 2021-22), else bucket by bucket during it.
+    # sequence_parallel False: norms and dropout run on the whole sequence on every TP rank (Megatron-LM
+    # before Korthikanti et al. 2022); the executor always shards them when tp > 1.
+    attention: str = "flash"
+    activations: str = "gathered"
+    grad_overlap: bool = True
+    sequence_parallel: bool = True
+    dtype_bytes: int = 2
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str) -> Roofline:
+        f = Fields(data, path)
+        table = f.obj("attention_flops").data
+        if not isinstance(table, dict) or not table:
+            raise InputError(f"{path}.attention_flops: expected an object of [seq_len, FLOP/s] lists")
+        return cls(f.float("peak_flops", min=1.0), f.float("gemm_fraction", min=0.0), f.int("sm_count", min=1),
+                   f.float("hbm_Bps", min=1.0), f.float("hbm_fraction", min=0.0),
+                   {k: [[float(a), float(b)] for a, b in v] for k, v in table.items()}, f.float("launch_s", min=0.0),
+                   f.str("attention", choices=ATTENTION, default="flash"),
+                   f.str("activations", choices=ACTIVATIONS, default="gathered"),
+                   f.bool("grad_overlap", default=True), f.bool("sequence_parallel", default=True),
+                   f.int("dtype_bytes", min=1, default=2))
+
+    # ---- primitives ----
+
+    def gemm(self, m: float, n: float, k: float, batch: float = 1.0) -> float:
+        """Seconds of `batch` GEMMs [m, k] x [k, n] in this dtype."""
+        if m <= 0 or n <= 0 or k <= 0:
+            return 0.0
+        tiles = math.ceil(m / TILE_M) * math.ceil(n / TILE_N) * batch
+        waves = math.ceil(tiles / self.sm_count)
+        # useful share of the launched tiles (tile quantisation) and of the SM slots (wave quantisation)
+        used = m * n * batch / (waves * self.sm_count * TILE_M * TILE_N)
+        compute = 2.0 * m * n * k * batch / (self.peak_flops * self.gemm_fraction * min(1.0, used))
+        memory = self.bytes_time((m * k + k * n + m * n) * batch * self.dtype_bytes)
+        return max(compute, memory, self.launch_s)
+
+    def gemm_fwd_bwd(self, m: float, n: float, k: float) -> tuple[float, float]:
+        """Y[m,n] = X[m,k] W[k,n]: forward, and backward dX = dY Wᵀ plus dW = Xᵀ dY."""
+        return self.gemm(m, n, k), self.gemm(m, k, n) + self.gemm(k, n, m)
+
+    def bytes_time(self, nbytes: float) -> float:
+        return max(nbytes / (self.hbm_Bps * self.hbm_fraction), self.launch_s if nbytes > 0 else 0.0)
+
+    def flash_rate(self, s: int, head_dim: int) -> float:
+        """Flash-attention-2's measured causal fwd+bwd FLOP/s, interpolated over log2(seq_len) (clamped)
+        and head size (the table's nearest: 64 or 128)."""
+        key = "hd64" if head_dim <= 96 and "hd64" in self.attention_flops else "hd128"
+        points = sorted(self.attention_flops.get(key) or next(iter(self.attention_flops.values())))
+        if s <= points[0][0]:
+            return points[0][1]
+        for (s0, r0), (s1, r1) in zip(points, points[1:]):
+            if s <= s1:
+                w = (math.log2(s) - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
+                return r0 + w * (r1 - r0)
+        return points[-1][1]
+
+    # ---- layers ----
+
+    def attention_core(self, spec: ModelSpec, b: int, s: int, tp: int) -> tuple[float, float]:
+        """(forward, backward) of softmax(QKᵀ)V over this rank's heads."""
+        heads = max(1, spec.num_heads // tp)
+        d = spec.head_dim
+        if self.attention == "flash":
+            causal = 4.0 * b * s * s * heads * d / 2  # flash-attention's benchmark count: causal is half
+            rate = self.flash_rate(s, d)
+            return max(causal / rate, self.launch_s), max(2.5 * causal / rate, self.launch_s)
+        batch = b * heads
+        scores = batch * s * s * self.dtype_bytes
+        mask = batch * s * s  # dropout mask, one byte per element
+        fwd = (self.gemm(s, s, d, batch) + self.bytes_time(2 * scores)  # QKᵀ; scale-mask-softmax in, out
+               + self.bytes_time(2 * scores + mask) + self.gemm(s, d, s, batch))  # dropout; AV
+        bwd = (self.gemm(s, s, d, batch) + self.gemm(s, d, s, batch)  # dP = dO Vᵀ, dV = Pᵀ dO
+               + self.bytes_time(3 * scores + mask) + self.bytes_time(3 * scores)  # dropout, softmax backward
+               + 2 * self.gemm(s, d, s, batch))  # dQ = dS K, dK = dSᵀ Q
+        return fwd, bwd
+
+    def elementwise(self, spec: ModelSpec, b: int, s: int, tp: int, sequence_parallel: bool) -> float:
+        """Forward seconds of a block's memory-bound ops (bytes read + written per token)."""
+        B = self.dtype_bytes
+        h, f = spec.hidden_size, spec.ffn_hidden_size / tp
+        q, kv = spec.num_heads * spec.head_dim / tp, spec.num_kv_heads * spec.head_dim / tp
+        sp = tp if sequence_parallel else 1
+        ops = [2 * h * B / sp, 2 * h * B / sp]  # two norms: read, write
+        if self.attention == "unfused":  # Megatron: bias-dropout-add (2 reads, 1 write, a 1-byte mask), twice
+            ops += [(3 * h * B + h) / sp] * 2
+        else:  # residual adds
+            ops += [3 * h * B / sp] * 2
+        if spec.mlp == "swiglu":
+            ops += [2 * f * B, 3 * f * B]  # SiLU(w1 x); its product with w3 x
+        else:
+            ops += [2 * f * B]  # (bias-)GELU
+        if spec.position == "rope":
+            ops += [2 * (q + kv) * 4 * 2]  # rotary on q and k, computed in fp32: read, write
+        tokens = b * s
+        return sum(self.bytes_time(tokens * o) for o in ops)
+
+    def layer(self, spec: ModelSpec, kind: str, b: int, s: int, tp: int,
+              sequence_parallel: bool | None = None) -> tuple[float, float]:
+        """(forward, backward) seconds of one layer for one micro-batch on one TP rank."""
+        sp = (tp > 1 and self.sequence_parallel) if sequence_parallel is None else sequence_parallel
+        T, h, B = b * s, spec.hidden_size, self.dtype_bytes
+        if kind == "block":
+            q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+            f = spec.ffn_hidden_size
+            shapes = [(T, (q + 2 * kv) / tp, h), (T, h, q / tp)]
+            shapes += [(T, f / tp, h)] * (2 if spec.mlp == "swiglu" else 1) + [(T, h, f / tp)]
+            fwd = bwd = 0.0
+            for m, n, k in shapes:
+                a, g = self.gemm_fwd_bwd(m, n, k)
+                fwd, bwd = fwd + a, bwd + g
+            af, ab = self.attention_core(spec, b, s, tp)
+            el = self.elementwise(spec, b, s, tp, sp)
+            mf, mb = block_ffn_time_correction(self, spec, T, tp)  # MoE feed-forward (profiler/moe_cost.py)
+            return fwd + af + el + mf, bwd + ab + 2 * el + mb
+        if kind == "head":
+            V = vocab_shard(spec, tp)
+            a, g = self.gemm_fwd_bwd(T, V, h)
+            norm = self.bytes_time(T * 2 * h * B / (tp if sp else 1))
+            loss = self.bytes_time(T * V * (B + 4 + 4))  # logits in, fp32 log-softmax out, read for the loss
+            return a + norm + loss, g + 2 * norm + self.bytes_time(T * V * (4 + B))
+        if kind == "embedding":
+            gather = self.bytes_time(T * (2 * h * B + 8))
+            return gather, 2 * gather
+        raise ValueError(f"unknown layer kind {kind!r}")
+
+    def recompute(self, spec: ModelSpec, b: int, s: int, tp: int, mode: str) -> float:
+        """Forward work run again in backward: the whole block (full) or the attention core (selective)."""
+        if mode == "full":
+            return self.layer(spec, "block", b, s, tp)[0]
+        if mode == "selective":
+            return self.attention_core(spec, b, s, tp)[0]
+        return 0.0

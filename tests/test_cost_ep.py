@@ -1,0 +1,153 @@
+"""Expert-parallel cost terms (planner/cost_ep.py) against hand calculations, the search's choice of ep,
+and the MoE exports and `plan show` lines."""
+
+import pytest
+from meshplan.planner.cluster_spec import parse_cluster
+from meshplan.planner.constraints import Constraints
+from meshplan.planner.cost_ep import (
+    DEFAULT_IMBALANCE,
+    dispatch_bytes,
+    ep_comm_time,
+    ep_link,
+    ep_options,
+    ep_terms,
+    token_buffer_bytes,
+)
+from meshplan.planner.cost_model import Candidate, GradSync, Terms, model_flops_per_iteration
+from meshplan.planner.errors import InputError
+from meshplan.planner.export import to_deepspeed, to_megatron, to_torchtitan
+from meshplan.planner.model_sources import builtin_model
+from meshplan.planner.placement import Placer
+from meshplan.planner.search import find_plan
+from meshplan.planner.show import render
+from meshplan.profiler.presets import preset_profile
+from meshplan.profiler.profile import collective_factors
+
+MIXTRAL = builtin_model("mixtral-8x7b")
+CLUSTER = parse_cluster("2x8xh100-80gb")
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return preset_profile(MIXTRAL, CLUSTER, "bf16")
+
+
+def test_dispatch_bytes_is_imbalance_b_s_topk_h():
+    # b=1, s=4096, top 2, h=4096, bf16, no tp: 1.25 x 4096 x 2 x 4096 x 2 bytes
+    assert dispatch_bytes(MIXTRAL, 4096.0, 1, "bf16", 1.25) == 1.25 * 4096 * 2 * 4096 * 2
+    assert dispatch_bytes(MIXTRAL, 4096.0, 2, "bf16", 1.0) == 4096 * 2 * 4096 * 2 / 2  # T/tp tokens per rank
+    assert token_buffer_bytes(MIXTRAL, 4096.0, 1, 8, "bf16", 1.25) == 2 * 1.25 * 4096 * 2 * 4096 * 2
+
+
+@pytest.mark.parametrize("link", ["intra_node", "inter_node"])
+def test_all_to_all_time_by_hand(profile, link):
+    nbytes = dispatch_bytes(MIXTRAL, 4096.0, 1, "bf16", DEFAULT_IMBALANCE)
+    steps, factor = collective_factors("all_gather", 8)
+    assert (steps, factor) == (7, 7 / 8)  # (n - 1) steps, (n - 1)/n of the bytes (nccl-tests PERFORMANCE.md)
+    one = profile.collective_time("all_gather", nbytes, 8, link)  # the link fit's all-gather at these factors
+    fwd, bwd = ep_comm_time(profile, MIXTRAL, 4096.0, 1, 8, "bf16", link, DEFAULT_IMBALANCE)
+    assert fwd == pytest.approx(2 * one) and bwd == pytest.approx(2 * one)  # dispatch + combine each way
+    assert ep_comm_time(profile, MIXTRAL, 4096.0, 1, 1, "bf16", link, DEFAULT_IMBALANCE) == (0.0, 0.0)
+
+
+def test_inter_node_all_to_all_is_slower(profile):
+    intra = ep_comm_time(profile, MIXTRAL, 4096.0, 1, 8, "bf16", "intra_node", 1.25)[0]
+    inter = ep_comm_time(profile, MIXTRAL, 4096.0, 1, 8, "bf16", "inter_node", 1.25)[0]
+    assert inter > 2 * intra
+
+
+def test_expert_state_is_split_over_ep_and_sharded_over_expert_dp(profile):
+    # mixtral block: 1,451,270,144 parameters of which 8 experts x 3 x 4096 x 14336 = 1,409,286,144
+    block, experts = 1_451_270_144, 1_409_286_144
+    assert MIXTRAL.layers[1].params == block
+    cand = Candidate(dp=16, tp=1, pp=1, v=1, schedule="1f1b", b=1, m=2, zero=1, recompute="none", ep=8)
+    terms = ep_terms(Terms(MIXTRAL, profile, 4096, "bf16"), cand, "intra_node")
+    state = terms.per_layer(1, 16, 1, "inter_node", GradSync(False, 1))[0]
+    # ZeRO-1, bf16: parameter 2 + gradient 2 + optimizer 12/shards bytes per parameter
+    rest = (block - experts) * (2 + 2 + 12 / 16)  # over dp x cp = 16
+    local_experts = experts / 8 * (2 + 2 + 12 / 2)  # 1 expert per rank, optimizer over edp = 16/8 = 2
+    assert state[1] == pytest.approx(rest + local_experts)
+    dense = Terms(MIXTRAL, profile, 4096, "bf16").per_layer(1, 16, 1, "inter_node", GradSync(False, 1))[0]
+    assert dense[1] == pytest.approx(block * (2 + 2 + 12 / 16))  # ep = 1: every expert on every rank
+
+
+def test_block_time_carries_the_all_to_alls(profile):
+    base = Terms(MIXTRAL, profile, 4096, "bf16")
+    cand = Candidate(dp=16, tp=1, pp=1, v=1, schedule="1f1b", b=1, m=2, zero=1, recompute="none", ep=8)
+    terms = ep_terms(base, cand, "intra_node", 1.25)
+    f, g = terms.ep_comm(1, 1)
+    assert terms.kind("block", 1, 1)[2] == pytest.approx(base.kind("block", 1, 1)[2] + f + g)
+    # the busiest rank's grouped GEMMs: more rows than the balanced mean, so at least as slow
+    assert terms.kind("block", 1, 1)[0] >= base.kind("block", 1, 1)[0] * 0.99
+    rec = terms.recompute(1, 1, "full")[0] - base.recompute(1, 1, "full")[0]
+    assert rec >= f  # full recompute replays dispatch and combine
+
+
+def test_ep_options():
+    assert ep_options(builtin_model("llama3-8b"), 16, 1, 2, None, None) == [(1, 1)]  # dense: no enumeration
+    got = ep_options(MIXTRAL, 16, 1, 2, None, None)
+    assert {ep for ep, _ in got} == {1, 2, 4, 8} and {etp for _, etp in got} == {1, 2}
+    assert ep_options(MIXTRAL, 16, 1, 2, 8, 1) == [(8, 1)]
+    assert {ep for ep, _ in ep_options(MIXTRAL, 16, 1, 1, None, None, "zero-bubble")} == {1}
+
+
+def test_ep_link_by_placement():
+    placer = Placer(CLUSTER)
+    qwen = dict(tp=1, pp=1, v=1, schedule="1f1b", b=1, m=1, zero=1, recompute="none", order=("pp", "dp", "tp"))
+    assert ep_link(placer, Candidate(dp=16, ep=8, **qwen)) == "intra_node"
+    assert ep_link(placer, Candidate(dp=16, ep=16, **qwen)) == "inter_node"
+
+
+def test_mfu_counts_active_flops():
+    # per token forward: 2 x (attention weights + router + top_k experts) + attention scores
+    h, s = 4096, 4096
+    attn = h * (4096 + 2 * 1024) + 4096 * h
+    block = 2 * s * (attn + h * 8 + 2 * 3 * h * 14336) + 4 * s * s * 4096
+    head, emb = 2 * s * h * 32000, 2 * s * h
+    assert model_flops_per_iteration(MIXTRAL, 1, s) == pytest.approx(3 * (32 * block + head + emb))
+
+
+def test_constraints_refuse_bad_ep():
+    with pytest.raises(InputError, match="--ep: 3 must divide the model's 8 experts"):
+        Constraints(ep=3).validate(MIXTRAL, CLUSTER)
+    with pytest.raises(InputError, match="dense"):
+        Constraints(ep=2).validate(builtin_model("llama3-8b"), CLUSTER)
+    with pytest.raises(InputError, match="--expert-tp"):
+        Constraints(tp=2, expert_tp=4).validate(MIXTRAL, CLUSTER)
+
+
+@pytest.fixture(scope="module")
+def ep8_plan(profile):
+    c = Constraints(global_batch_size=32, seq_len=4096, ep=8, top_k=1)
+    return find_plan(MIXTRAL, CLUSTER, c, profile)
+
+
+def test_pinned_ep_plans_and_exports(ep8_plan):
+    plan = ep8_plan
+    assert plan.parallel.ep == 8 and plan.model.moe is not None
+    assert plan.predicted.exposed_communication_s["ep"] > 0
+    warnings: list[str] = []
+    assert "--expert-model-parallel-size 8" in to_megatron(plan, warnings)
+    assert "--num-experts 8" in to_megatron(plan) and "--moe-router-topk 2" in to_megatron(plan)
+    assert "expert_parallel_degree = 8" in to_torchtitan(plan, warnings)
+    ds: list[str] = []
+    to_deepspeed(plan, ds)
+    assert any("ep_size=8" in w for w in ds)
+    text = render(plan)
+    assert "ep 8: 1 experts per rank" in text and "EP groups" in text and "exposed all-to-all" in text
+
+
+def test_search_chooses_ep_for_mixtral(profile):
+    plan = find_plan(MIXTRAL, CLUSTER, Constraints(global_batch_size=32, seq_len=4096, top_k=1), profile)
+    assert plan.parallel.ep > 1
+    assert (plan.parallel.dp * plan.parallel.cp) % plan.parallel.ep == 0
+
+
+def test_moe_plan_round_trips(ep8_plan, tmp_path):
+    from meshplan.planner.plan import load_plan, save_plan
+
+    path = str(tmp_path / "plan.json")
+    save_plan(ep8_plan, path)
+    again = load_plan(path)
+    assert again.parallel.ep == 8 and again.parallel.expert_dp == 2
+    assert again.model == ep8_plan.model and again.model.moe.num_experts == 8

@@ -1,0 +1,123 @@
+"""The per-operation preset model and the topology against hand calculations from their sources."""
+
+import math
+
+import pytest
+from meshplan.planner.cluster_spec import parse_cluster
+from meshplan.planner.model_sources import builtin_model
+from meshplan.planner.topology import group_class
+from meshplan.profiler.analytic import layer_activation_bytes
+from meshplan.profiler.presets import device_roofline, preset_profile
+
+A100 = device_roofline(parse_cluster("8xa100-80gb"), "bf16")
+
+
+def test_gemm_tile_and_wave_quantisation():
+    """4096³ on A100: 16 x 32 = 512 tiles of 256x128 in ceil(512/108) = 5 waves, 0.9481 of the slots
+    used; 2·4096³ FLOPs at 312 TFLOP/s x MAMF 271.2/312 x 0.9481 = 0.5345 ms (above the HBM bound)."""
+    used = 4096 * 4096 / (5 * 108 * 256 * 128)
+    expected = 2 * 4096**3 / (271.2e12 * used)
+    assert A100.gemm(4096, 4096, 4096) == pytest.approx(expected, rel=1e-9)
+    assert expected == pytest.approx(0.5345e-3, rel=1e-3)
+    # one tile: a wave of 108 slots with 1 used; tiny K makes it memory bound or launch bound
+    assert A100.gemm(256, 128, 64) >= A100.launch_s
+
+
+def test_gemm_memory_bound_when_k_is_small():
+    """QKᵀ per head (s = 2048, head_dim 64): 2·s²·64 FLOPs against s² outputs written in bf16: 64 FLOP/byte,
+    below the A100 80GB ridge (271 TFLOP/s ÷ 1.725 TB/s = 157): HBM bound."""
+    s, d = 2048, 64
+    bytes_moved = (s * d + d * s + s * s) * 2
+    assert A100.gemm(s, s, d) == pytest.approx(bytes_moved / 1.725e12, rel=1e-9)
+
+
+def test_flash_attention_rate_and_time():
+    """Causal, head_dim 128: FA2 on A100 runs 155 TFLOP/s at 2k and 173 at 4k (fwd+bwd); at 3000 tokens
+    the log2 interpolation gives 155 + 18·log2(3000/2048). One layer of 32 heads, b = 1, s = 2048:
+    4·s²·32·128 / 2 FLOPs forward at 155 TFLOP/s, backward 2.5x."""
+    assert A100.flash_rate(2048, 128) == pytest.approx(155e12)
+    assert A100.flash_rate(3000, 128) == pytest.approx((155 + 18 * math.log2(3000 / 2048)) * 1e12)
+    assert A100.flash_rate(100_000, 64) == pytest.approx(171e12)  # clamped beyond the table
+    model = builtin_model("llama2-7b")
+    fwd, bwd = A100.attention_core(model, 1, 2048, 1)
+    flops = 4 * 2048**2 * 32 * 128 / 2
+    assert fwd == pytest.approx(flops / 155e12) and bwd == pytest.approx(2.5 * flops / 155e12)
+
+
+def test_bytes_over_achievable_hbm():
+    """A100 80GB: 1.725 TB/s BabelStream Triad of the 2.039 TB/s datasheet."""
+    assert A100.bytes_time(1.725e9) == pytest.approx(1e-3)
+    assert A100.bytes_time(1.0) == A100.launch_s == 3.5e-6
+
+
+def test_unfused_activations_match_korthikanti():
+    """Korthikanti et al. 2022 Table 2 for GPT with sequence parallelism: sbh/t·(34 + 5as/h) without
+    recompute, 34·sbh/t with selective recompute (fp16, 1-byte masks). Ours adds the norms' fp32
+    statistics and the log-sum-exp: within 1 % at GPT-3 175B, t = 8."""
+    spec = builtin_model("gpt3-175b")
+    s, b, t, h, a = 2048, 1, 8, spec.hidden_size, spec.num_heads
+    full = layer_activation_bytes(spec, "block", b, s, t, "fp16", "none", True, unfused_attention=True,
+                                  sharded_inputs=True)
+    assert full == pytest.approx(s * b * h / t * (34 + 5 * a * s / h), rel=0.01)
+    sel = layer_activation_bytes(spec, "block", b, s, t, "fp16", "selective", True, unfused_attention=True,
+                                 sharded_inputs=True)
+    assert sel == pytest.approx(34 * s * b * h / t, rel=0.01)
+
+
+def test_unfused_attention_is_slower_than_flash():
+    spec = builtin_model("gpt3-175b")
+    flash = preset_profile(spec, parse_cluster("8xa100-80gb"), "bf16")
+    unfused = preset_profile(spec, parse_cluster("8xa100-80gb"), "bf16", attention="unfused")
+    assert sum(unfused.layer_time("block", 1, 2048, 8)) > sum(flash.layer_time("block", 1, 2048, 8))
+    # selective recompute runs the attention core again: more of a block under unfused attention
+    assert unfused.recompute_time("block", 1, 2048, 8, "selective") > flash.recompute_time("block", 1, 2048, 8,
+                                                                                          "selective")
+
+
+def test_ring_all_reduce_on_nccl_bus_bandwidth():
+    """Inside a node the collectives follow nccl-tests' all-reduce busbw by payload (8x A100: 229.04 GB/s
+    at 1 GiB, 171.54 at 64 MiB); across nodes the NIC's busbw (HDR: 24 GB/s) and 4 us per ring step."""
+    profile = preset_profile(builtin_model("tiny"), parse_cluster("2x8xa100-80gb"), "bf16")
+    expected = 2 * 7 / 8 * 2**30 / 229.04e9
+    assert profile.collective_time("all_reduce", 2**30, 8, "intra_node") == pytest.approx(expected, rel=1e-6)
+    assert profile.collective_time("all_gather", 2**26, 8, "intra_node") == pytest.approx(7 / 8 * 2**26 / 171.54e9)
+    # between the measured sizes, log-log interpolation: 96 MiB lies between 171.54 and 176.92 GB/s
+    bw = 2 * 7 / 8 * 96 * 2**20 / profile.collective_time("all_reduce", 96 * 2**20, 8, "intra_node")
+    assert 171.54e9 < bw < 176.92e9
+    inter = profile.collective_time("all_reduce", 2**30, 16, "inter_node")
+    assert inter == pytest.approx(30 * 4e-6 + 2 * 15 / 16 * 2**30 / 24e9)
+
+
+def test_topology_link_classes():
+    """NVL72: TP across compute trays stays on NVLink; DGX H100 SuperPOD: 32 nodes per scalable unit,
+    so data parallelism over 64 nodes crosses the spine; oversubscription divides the spine's share."""
+    import numpy as np
+
+    nvl = parse_cluster("18x4xgb200-186gb")
+    g = nvl.graph()
+    assert {g.nodes[r]["domain"] for r in range(72)} == {0}
+    assert nvl.link(0, 71) == nvl.intra_node
+    pod = parse_cluster("64x8xh100-80gb")
+    assert pod.topology.nodes_per_leaf == 32 and pod.link(0, 8) == pod.inter_node
+    dom = np.arange(64).repeat(8).reshape(64, 8)  # [dp over nodes, tp inside]
+    su = dom // 32
+    assert group_class(dom, su, 1) == "intra_node" and group_class(dom, su, 0) == "inter_leaf"
+    assert group_class(dom[:32], su[:32], 0) == "inter_node"
+    from dataclasses import replace
+
+    over = replace(pod, topology=replace(pod.topology, oversubscription=2.0))
+    fits = preset_profile(builtin_model("tiny"), over, "bf16").links
+    assert fits["inter_leaf"]["all_reduce"].beta_s_per_byte == pytest.approx(2 / 47e9)
+    assert fits["inter_node"]["all_reduce"].beta_s_per_byte == pytest.approx(1 / 47e9)
+
+
+def test_cluster_file_topology(tmp_path):
+    path = tmp_path / "pod.yaml"
+    path.write_text("base: 8x8xh100-80gb\ntopology:\n  nodes_per_leaf: 4\n  oversubscription: 2\n")
+    c = parse_cluster(str(path))
+    assert c.topology.nodes_per_leaf == 4 and c.topology.oversubscription == 2.0
+    from meshplan.planner.errors import InputError
+
+    path.write_text("base: 8x8xh100-80gb\ntopology:\n  nvlink_domain: 12\n")
+    with pytest.raises(InputError, match="topology.nvlink_domain"):
+        parse_cluster(str(path))
