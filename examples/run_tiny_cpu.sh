@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Plan and run the tiny model on 4 CPU processes (pp2 x dp2, 1F1B, ZeRO-3), write metrics,
-# survive a killed rank. Usage: examples/run_tiny_cpu.sh [OUT_DIR]
+# Plan and run the tiny model on 4 CPU processes (pp2 x dp2, ZeRO-3; the planner picks the schedule and
+# micro-batching), write metrics, survive a killed rank. Usage: examples/run_tiny_cpu.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/meshplan-tiny}

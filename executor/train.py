@@ -67,9 +67,9 @@ class TrainConfig:
 def collection_paused(paused: bool):
     """Python's automatic garbage collection off for the training loop (after one collection), as
     torchtitan trains; the loop collects every `gc_interval` steps itself. Automatic collections
-    fire on allocation counts, and a pipeline step allocates many Python objects: tiny on 2 CPU ranks,
-    pp2 with 16 micro-batches, 116-119 ms per step with them and 84-102 ms without; under
-    interleaved 1F1B two of ten steps took 208-272 ms against 35-66 ms (full collections)."""
+    fire on allocation counts, and a pipeline step allocates many Python objects (one per action and
+    micro-batch), so automatic collections land inside steps at random: they add to the step time and,
+    when a full collection fires, make single steps several times slower."""
     was = gc.isenabled()
     if paused:
         gc.collect(1)
@@ -94,8 +94,8 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (not norms, biases), as nanoGPT/torchtitan. One parameter
     group per (decay, device mesh), so that every group runs the foreach implementation: foreach cannot
     mix DTensors of different meshes, or DTensors and plain tensors, in one call, and the single-tensor
-    loop dispatches through DTensor once per parameter and op (gpt-20m, TP 2 on 2 CPU ranks: 258-438 ms a
-    step, where the same local tensors take 42 ms with foreach)."""
+    loop dispatches through DTensor once per parameter and op, which costs several times the step of the
+    same local tensors under foreach."""
     groups: dict[tuple, list[nn.Parameter]] = {}
     for p in model.parameters():
         if p.requires_grad:
@@ -109,8 +109,8 @@ def reduce_partial_grads(params: list[nn.Parameter]) -> None:
     """Reduce the gradients tensor parallelism leaves Partial (the sequence-parallel norms' weights: each
     TP rank holds the sum over its sequence shard) to Replicate, with one all-reduce per mesh dimension
     and dtype, before the norm and the step. Left Partial, every foreach AdamW op that reads such a
-    gradient all-reduces it again (gpt-20m, TP 2: 102 all-reduces in a step that then took 246 ms
-    instead of 67 ms), and `local_grads` would count each rank's partial sum instead of the total."""
+    gradient all-reduces it again (one collective per op and norm weight, every step), and `local_grads`
+    would count each rank's partial sum instead of the total."""
     pending: dict[tuple, list[nn.Parameter]] = {}
     for p in params:
         g = p.grad

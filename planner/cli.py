@@ -24,11 +24,15 @@ subcommands:
   Run `plan SUBCOMMAND --help` for each one's options.
 
 MODEL:   a built-in name (gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama2-7b, llama2-13b, llama2-70b,
-         llama3-8b, llama3-70b, gpt3-175b, gpt-20m, tiny), a Hugging Face config.json path
-         (gpt2, llama, mistral, qwen2), or package.module:factory returning an nn.Module.
-CLUSTER: GxTYPE or NxGxTYPE with TYPE one of a100-40gb, a100-80gb, h100-80gb, h200-141gb, cpu;
+         llama3.2-1b, llama3-8b, llama3-70b, gpt3-175b, gpt-20m, tiny; mixture of experts:
+         mixtral-8x7b, mixtral-8x22b, qwen3-30b-a3b, tiny-moe), a Hugging Face config.json path
+         (gpt2, llama, mistral, qwen2, mixtral, qwen2_moe, qwen3_moe), or package.module:factory
+         returning an nn.Module.
+CLUSTER: GxTYPE or NxGxTYPE with TYPE one of a100-40gb, a100-80gb, h100-80gb, h200-141gb,
+         b200-180gb, gb200-186gb (NVL72: 72-GPU NVLink domains, e.g. 18x4xgb200-186gb), cpu;
          Nxcpu (N processes on this host); local (this machine as it is); or a YAML/JSON cluster file
-         (`base: 2x8xh100-80gb` plus any field to override).
+         (`base: 2x8xh100-80gb` plus any field to override, e.g. topology: {nodes_per_leaf: 16,
+         oversubscription: 2}).
 
 profiles: predictions for this host's own hardware use its measured profile, cached by `plan profile`
          ($MESHPLAN_CACHE, else ~/.cache/meshplan). For Nxcpu / local on a CPU-only host with nothing cached,

@@ -35,6 +35,8 @@ class DeviceSpec:
     kernel_launch_s: float = 0.0  # floor per kernel
     # flash-attention-2 causal fwd+bwd FLOP/s by head size ("hd64", "hd128"): [[seq_len, FLOP/s], ...]
     attention_flops: dict[str, list[list[float]]] = field(default_factory=dict)
+    # how far below one device's rates the slowest of a synchronous group runs (0: identical devices)
+    device_spread: float = 0.0
 
     @classmethod
     def from_dict(cls, data: dict, path: str) -> DeviceSpec:
@@ -60,6 +62,7 @@ class DeviceSpec:
                    memory_bandwidth_Bps=f.float("memory_bandwidth_Bps", min=1.0, default=1e12),
                    sm_count=f.int("sm_count", min=0, default=0), memory_efficiency=mem_eff,
                    kernel_launch_s=f.float("kernel_launch_s", min=0.0, default=0.0),
+                   device_spread=f.float("device_spread", min=0.0, default=0.0),
                    attention_flops={k: [[float(a), float(b)] for a, b in v] for k, v in table.items()})
 
 
@@ -136,13 +139,18 @@ FA2_GB200_DERIVED = _fa((141, 192, 232, 257, 273, 284), (163, 221, 265, 294, 308
 #   results). B200: no measurement published; H200's share assumed.
 # - kernel_launch_s: cudaLaunchKernel's mean host time on A100, 3.50 us over 501 calls (ALCF nsys profile);
 #   3.0-3.3 us on GB200 (meta-pytorch/tritonbench PR #1017).
+# - device_spread: GPUs of one model differ, "I have seen 5% and higher differences on an 8-gpu node"
+#   (stas00/ml-engineering compute/accelerator/README.md, "Not all accelerators are created equal"), and a
+#   synchronous group runs at its slowest.
 LAUNCH_S = 3.5e-6
+DEVICE_SPREAD = 0.05
 
 
 def _gpu(name: str, mem: int, peak: dict[str, float], hbm: float, mamf: float, sms: int,
          fa: dict[str, list[list[float]]], hbm_share: float) -> DeviceSpec:
     return DeviceSpec(name, "cuda", mem, peak, efficiency=mamf, memory_bandwidth_Bps=hbm, sm_count=sms,
-                      memory_efficiency=hbm_share, kernel_launch_s=LAUNCH_S, attention_flops=fa)
+                      memory_efficiency=hbm_share, kernel_launch_s=LAUNCH_S, attention_flops=fa,
+                      device_spread=DEVICE_SPREAD)
 
 
 _A100 = {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12}

@@ -71,7 +71,7 @@ def attention_core_time(profile, model: ModelSpec, b: int, s: int, tp: int, cp: 
     if mode == "all-to-all":
         return rl.attention_core(model, b, s, tp * cp)
     flops = causal_core_flops(model, b, s, tp) / cp
-    rate = rl.flash_rate(local_seq(s, cp), model.head_dim)
+    rate = rl.flash_rate(local_seq(s, cp), model.head_dim) * rl.pace
     return max(flops / rate, rl.launch_s), max(FLASH_BACKWARD_RATIO * flops / rate, rl.launch_s)
 
 

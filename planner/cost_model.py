@@ -118,8 +118,8 @@ def pipeline_busy_wait(profile, schedule: str, unfused: float = 0.0, b: int | No
     figure is all the rank's work). In the in-situ pairs GPipe streams its micro-batches, so its figure
     is one side's bookkeeping per micro-batch; 1F1B's steady state alternates forward and backward, so
     each micro-batch waits a round trip with both sides' bookkeeping in series. A 1F1B crossing is then
-    GPipe's work on each side and, on the hops, its figure beyond twice GPipe's (tiny, 4 ranks: 3.3 ms
-    against 0.97 ms at b = 1); the simulation waits there only where the real order makes it wait."""
+    GPipe's work on each side and, on the hops, its figure beyond twice GPipe's: that part is waiting, not
+    work, and the simulation waits there only where the real order makes it wait."""
     if schedule != "1f1b":
         return 0.0, 0.0
     gpipe, steady = profile.pipeline_overhead("gpipe", b), profile.pipeline_overhead("1f1b", b)
@@ -271,8 +271,8 @@ def step_sync_time(profile, world: int, links: "Links") -> float:
     """The executor's two all-reduces of a scalar over every rank each step (the global gradient norm for
     the clip, the logged loss); 0 on one rank. A profile measured on this many ranks gives its own timing
     of one (0 when measured before it was timed); presets and other rank counts the link fit at 8 bytes.
-    The fit's intercept is not used for measured ranks: fitted from 4 KiB up, on CPU it is far above a
-    scalar's cost (4 gloo ranks on 2 cores: 5.5 ms at 4 KiB, 0.4 ms for a scalar)."""
+    The fit's intercept is not used for measured ranks: fitted from 4 KiB up, it does not extrapolate
+    down to 8 bytes, and on CPU it is far above what one scalar all-reduce takes."""
     if world <= 1:
         return 0.0
     if profile.source == "measured" and world == int(profile.settings.get("ranks", 0)):
@@ -332,8 +332,8 @@ def state_bytes_per_param(dtype: str, zero: int, dp: int, accumulating: bool = F
     that skip the reduction keep unsharded gradients (torch FSDPParamGroup.post_backward), so where the
     reduction waits for the last micro-batch (`accumulating`: `GradSync.full_grads`) ZeRO-2/3 hold full
     gradients too. ZeRO-0 (`replicate`, FSDP2's engine on a replicated mesh) keeps a whole fp32 copy as
-    its shard and the gathered parameter (gpt-20m, dp 2 on CPU: its forward allocates 110.9 MiB, ZeRO-1's
-    117.7; the ZeRO-0 plans' measured peaks were 70-78 MiB, one fp32 copy, above the model without it)."""
+    its shard and the gathered parameter, so ZeRO-0 holds about as much parameter memory as ZeRO-1 (one
+    fp32 copy more than plain DDP would)."""
     p, g, o = STATE_BYTES[dtype]
     if dp <= 1:
         return p, g, o
@@ -346,8 +346,8 @@ def state_bytes_per_param(dtype: str, zero: int, dp: int, accumulating: bool = F
 @dataclass
 class Workspace:
     """Transient bytes on top of the state and the activations, in the three moments of a step that
-    can set a rank's peak (measured with the executor's CPU memory tracking: tied gpt-20m, one process,
-    b1x4 386.1 MiB = state 314 + 72 at the embedding's backward):
+    can set a rank's peak (found with the executor's CPU memory tracking; which one wins depends on the
+    plan):
     `act[r]`: at the last stage's first backward, with every in-flight micro-batch's activations alive:
     the loss backward (gradient of the log-softmax output and of the logits, b·s·V/t fp32 each: loss_fn
     upcasts; the loss is vocabulary-parallel, V/t per TP rank), or the logits' gradient plus a new LM-head
@@ -391,8 +391,8 @@ def peak_memory(state: float, fixed: float, inflight: float, act: float, opt_lay
                 r: int, grads_idle: float = 0.0) -> float:
     """A rank's peak: state and fixed bytes plus the largest of the three transient moments (Workspace);
     at the activation moment without the gradients not allocated yet (`grads_idle` share of the state:
-    m ≤ in-flight micro-batches, so no backward has finished; executor, tied gpt-20m b4x1 on one
-    process: 429 MiB measured, 436 predicted, 515 with the gradients)."""
+    m ≤ in-flight micro-batches, so no backward has finished; counting the gradients there would
+    over-predict such plans by the whole gradient size)."""
     return fixed + max(state * (1.0 - grads_idle) + inflight * act + ws.act[r],
                        state + max(inflight - 1.0, 0.0) * act + ws.emb[r], state + opt_layers + ws.opt[r])
 

@@ -236,9 +236,9 @@ def simulate(schedule: str, pp: int, virtual_stages: int, num_micro_batches: int
     `stage_times[k]` are stage k's per-micro-batch times (k over pp x virtual_stages stages, in model
     order). `rate(n)`: how fast each computing rank runs, relative to those times, while n ranks compute
     at once (processor sharing: CPU ranks that outnumber the cores run faster when others idle in the
-    bubble); None: always 1. Point-to-point time and the stages' `overhead` are not scaled: on 4 CPU
-    ranks sharing 2 cores a pipeline's ranks spend most of that time waiting (GPipe, pp 4, tiny: 1.3 of
-    the 2 cores busy over a step, two thirds of rank 0's step waits), which idle cores do not shorten.
+    bubble); None: always 1. Point-to-point time and the stages' `overhead` are not scaled: CPU ranks
+    that share cores spend most of that time waiting on transfers (benchmarks/pipeline_trace.py shows
+    it per rank), which idle cores do not shorten.
     Raises ValueError on inconsistent arguments and RuntimeError if the orders deadlock."""
     num_stages = pp * virtual_stages
     if len(stage_times) != num_stages:

@@ -101,8 +101,8 @@ def schedules(pp: int, m: int, num_layers: int, constraints: Constraints, blocks
     """(schedule, virtual stages) that torch.distributed.pipelining can run for this pp and m.
     zero-bubble is emitted only as ZB-V (v = 2, V-shaped placement, ScheduleZBVZeroBubble) to keep the
     executor's mapping simple; Schedule1F1B and ZBV need m ≥ pp; interleaved needs m % pp == 0. Unpinned,
-    interleaving takes only the v whose pp·v chunks split the `blocks` evenly, as Megatron-LM requires: an
-    uneven chunk delays every micro-batch that passes it."""
+    interleaving takes v = 2 and the v whose pp·v chunks split the `blocks` evenly (Megatron-LM's rule): an
+    uneven chunk delays every micro-batch that passes it, and each v costs an ILP."""
     pin_s, pin_v = constraints.schedule, constraints.virtual_stages
     if pp == 1:
         options = [("1f1b", 1), ("gpipe", 1)] if pin_s in (None, "1f1b", "gpipe") else []
@@ -117,7 +117,7 @@ def schedules(pp: int, m: int, num_layers: int, constraints: Constraints, blocks
             yield "1f1b", 1
     if pin_s in (None, "interleaved-1f1b") and m % pp == 0:
         vs = [pin_v] if pin_v is not None else [v for v in range(2, MAX_VIRTUAL_STAGES + 1)
-                                                if not blocks or blocks % (pp * v) == 0]
+                                                if v == 2 or not blocks or blocks % (pp * v) == 0]
         for v in vs:
             if v >= 2 and pp * v <= num_layers:
                 yield "interleaved-1f1b", v
@@ -524,7 +524,7 @@ class Search:
         pruned = [(self.demand(cand) if demand is None else demand, index, cand)
                   for demand, index, cand in self.memory_pruned]
         for _, _, cand in sorted(pruned, key=lambda t: (t[0], t[1])):
-            if cand.recompute == "none" and not cand.recompute_pinned:
+            if cand.recompute == "none" and not cand.recompute_pinned and self.c.recompute is None:
                 cand = _replace(cand, recompute="full")
             if cand in seen:
                 continue

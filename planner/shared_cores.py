@@ -5,31 +5,28 @@ A CPU profile is measured with all `concurrent_ranks` processes computing at onc
 `threads_per_rank` threads on `cpu_cores` cores, so its times hold at the speed min(1, C / (R·t)). With
 n processes computing the speed is min(1, C / (n·t)) (processor sharing, the standard model of a
 time-shared CPU: Kleinrock, Queueing Systems vol. 2, 1976, ch. 4). The closed form of the cost model
-keeps every rank at the measured speed, which over-predicts bubble-heavy plans (measured on tiny, 4 ranks
-on 2 cores: GPipe pp=4 with 2 micro-batches ran in 88 ms against 142 ms predicted). For pipelined plans the
+keeps every rank at the measured speed, which over-predicts bubble-heavy plans: while some ranks idle in
+the bubble, the busy ones run faster than with all ranks computing. For pipelined plans the
 search therefore predicts the pipeline part by simulating the plan's own schedule with processor sharing
 (planner/schedule.py) from the closed form's per-stage times; the once-per-iteration tail (optimizer,
 exposed gradient sync) runs on all ranks and keeps the measured speed. Only computation speeds up: a
 stage's other work (pipeline bookkeeping and transfers, engine hooks) keeps its measured time, and 1F1B's
 wait for a round trip, which the in-situ pairs measure with the bookkeeping, goes on the hops, where the
-schedule's own order decides whether a rank waits for it. Timed inside the executor (GPipe, pp 4, tiny),
-the stages' forward and backward matched the simulation's at full speed while the ranks used 1.3 of the
-2 cores and rank 0 waited two thirds of its step; re-predicted from their own profiles
-(`benchmarks/resimulate.py`), four tiny/4 benchmark runs moved from 22.2-26.3 % median error to
-15.8-20.4 % and from Spearman 0.75-0.84 to 0.79-0.89, while tiny/2 and gpt-20m changed by under 1 point.
-The simulation, not the closed form's bubble formula, then also sets the bubble: for zero-bubble V with
-few micro-batches (m < 2pp − 1) that formula is optimistic, and scaling it by the sharing speed-up would
-count the bubble twice.
+schedule's own order decides whether a rank waits for it: timed inside the executor
+(benchmarks/pipeline_trace.py), a stage's forward and backward actions run at the profile's speed while
+much of a rank's step is spent waiting on transfers, which no idle core shortens. The simulation, not
+the closed form's bubble formula, then also sets the bubble: for zero-bubble V with few micro-batches
+(m < 2pp − 1) that formula is optimistic, and scaling it by the sharing speed-up would count the bubble
+twice.
 
 Where no cores are shared the ILP still optimises the closed form, and the search reports each pipelined
 candidate that can still enter its ranking by the same simulation at constant speed (Search.score; a longest
 path over the schedule's fixed dependency graph, `fixed_speed_makespan`): the closed form's (m + bubble)·τ_max
 charges every
 micro-batch the slowest rank's time and the bubble in those units, while the real order waits on each
-stage's own neighbours. With unequal chunks that matters: gpt-20m on 2 CPU ranks, interleaved 1F1B with 3
-chunks per rank (the LM head's chunk three times the others) measured 1.94 s where the closed form gave
-1.50 s and the simulation 1.70 s, and with 2 chunks 1.72 s (closed form 1.54 s, simulation 1.53 s): the
-closed form ranked them the wrong way round.
+stage's own neighbours. With unequal chunks that matters: an interleaved schedule whose chunks differ (a
+chunk holding the LM head is several times the others) can rank below one with fewer chunks in the real
+order while the closed form, blind to where the slow chunk sits, ranks them the other way round.
 """
 
 from __future__ import annotations

@@ -60,7 +60,9 @@ def layer_activation_bytes(spec: ModelSpec, kind: str, b: int, s: int, tp: int =
     the dropout mask (one byte) and the dropout output, each heads/t x s x s per sample: 5·a·s²·b/t bytes
     in B = 2 (Korthikanti Eq. 1, the 5as/h term), and hidden dropout masks, 2 x h bytes per token
     (÷t with SP); selective recompute drops the s x s tensors.
-    `sharded_inputs`: the norms' outputs kept as sequence shards, h ÷t (SP), as Megatron-LM keeps them.
+    `sharded_inputs`: what Megatron-LM keeps: the norms' outputs as sequence shards, h ÷t (SP), and for
+    SwiGLU its fused activation's input (w1 and w3 outputs) and w2's input, 3f
+    (megatron/core/fusions/fused_bias_swiglu.py saves the input only).
     """
     B = DTYPE_BYTES[dtype]
     h, tokens = spec.hidden_size, s * b
@@ -73,6 +75,8 @@ def layer_activation_bytes(spec: ModelSpec, kind: str, b: int, s: int, tp: int =
         q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         lse = 0.0 if recompute == "selective" else 4.0 * spec.num_heads / tp
         mlp = block_ffn_activation_values(spec, B)  # dense: 4f SwiGLU, 2f GELU; MoE: profiler/moe_cost.py
+        if sharded_inputs and spec.mlp == "swiglu" and spec.moe is None:
+            mlp -= spec.ffn_hidden_size  # Megatron-LM's fused SwiGLU keeps its input only: 3f
         norm_out = h * B / (sp if sharded_inputs else 1)
         per_token = 2 * (norm_kept + norm_out) + (2 * q_dim + 2 * kv_dim + mlp) * B / tp + lse
         rope = 2 * 2 * s * (spec.head_dim // 2) * 4 if spec.position == "rope" else 0

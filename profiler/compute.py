@@ -23,8 +23,8 @@ class TimingConfig:
     """`repeats` timed passes at least; cheap points keep going (up to `max_repeats`) while their timed
     passes total less than `budget_s`, so that their typical time covers many scheduler time slices."""
 
-    # On 2 CPU ranks, 2 warm-up and 5 timed passes left tiny's block samples non-monotonic with 50-100 %
-    # spread (first-touch allocation, kernel selection); 10 and 15 gave monotonic samples within ~20 %.
+    # Fewer warm-up and timed passes leave small CPU samples non-monotonic in the micro-batch size (first-touch
+    # allocation and kernel selection land in the timed passes); 10 and 15 give monotonic samples.
     warmup: int = 10
     repeats: int = 15
     max_repeats: int = 25
@@ -68,9 +68,9 @@ def typical_time(fn: Callable[[], object], device: torch.device, warmup: int, re
 def typical(xs: list[float], device: torch.device) -> float:
     """What one pass costs within a long run of them. CPU: the mean. When the ranks outnumber the cores the
     kernel time-slices them, and a pass shorter than a slice often runs whole at full speed while another
-    waits out a slice: per-pass times are bimodal and their median lands on either mode (measured: tiny's
-    block, b=1, 4 one-thread processes on 2 cores: median 2.3 ms on two ranks and 6.0 ms on the other two,
-    mean 4.1-4.6 ms on all four; alone 1.8 ms). A training step is a long run of passes and pays the mean.
+    waits out a slice: per-pass times are bimodal and their median lands on either mode, so ranks timing
+    the same layer disagree by a factor of two or more, while their means agree. A training step is a long
+    run of passes and pays the mean.
     GPU: the median (CUDA events time the kernels, not the host's scheduling; a rare stall is noise)."""
     return sum(xs) / len(xs) if device.type == "cpu" else median(xs)
 

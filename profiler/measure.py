@@ -224,9 +224,10 @@ def lockstep(cfg: MeasureConfig, distributed: bool) -> bool:
 def chain_round_positions(device_kind: str, points: int) -> set[int]:
     """Grid positions before which an earlier round of the whole-model chains (and the optimizer step)
     runs: on CPU two, at the start and half-way, so with the round after the grid each is the median of
-    three moments of the profile (tiny on 4 CPU ranks, two one-round profiles back to back: chain at b=1
-    22.9 and 8.4 ms, AdamW 78 and 37 ns per parameter). On GPU none: CUDA events time the kernels, which the host's
-    other processes do not slow."""
+    three moments of the profile: the chain and the optimizer step scale every prediction, and one short
+    round on a shared CPU can land on a fast or a slow minute (two one-round profiles back to back can
+    differ by a factor of two). On GPU none: CUDA events time the kernels, which the host's other
+    processes do not slow."""
     rounds = CHAIN_ROUNDS if device_kind == "cpu" else 1
     return {k * points // (rounds - 1) for k in range(rounds - 1)} if rounds > 1 and points else set()
 
@@ -239,8 +240,7 @@ _CHAIN_TIMES = ("seconds", "split_extra_s")
 def _mean_over_ranks(compute: list[ComputeSample], chains: list[ChainSample], opt: float
                      ) -> tuple[list[ComputeSample], list[ChainSample], float]:
     """CPU: every rank measured the same points at once; keep their mean. Time-slicing gives each rank its
-    own share of the cores (tiny's block on 4 ranks of 2 cores: each rank's mean 4.1-4.6 ms in one run),
-    and a training step waits for all of them."""
+    own share of the cores, so ranks differ, and a training step waits for all of them."""
     rows = [(c, _COMPUTE_TIMES) for c in compute] + [(c, _CHAIN_TIMES) for c in chains]
     flat = torch.tensor([getattr(obj, f) for obj, fields in rows for f in fields] + [opt], dtype=torch.float64)
     dist.all_reduce(flat)

@@ -28,7 +28,8 @@ def device_roofline(cluster: ClusterSpec, dtype: str, attention: str = "flash", 
     return Roofline(peak_flops=d.peak_flops[dtype], gemm_fraction=d.efficiency, sm_count=d.sm_count,
                     hbm_Bps=d.memory_bandwidth_Bps, hbm_fraction=d.memory_efficiency,
                     attention_flops=d.attention_flops, launch_s=d.kernel_launch_s, attention=attention,
-                    activations=activations, grad_overlap=grad_overlap, sequence_parallel=sequence_parallel)
+                    activations=activations, grad_overlap=grad_overlap, sequence_parallel=sequence_parallel,
+                    pace=1.0 - d.device_spread if cluster.world_size > 1 else 1.0)
 
 
 def preset_profile(model: ModelSpec, cluster: ClusterSpec, dtype: str = "bf16", **software) -> Profile:

@@ -160,8 +160,8 @@ def busbw_at(curve: list[list[float]], nbytes: float) -> float:
 @dataclass
 class PipelineSample:
     """Each schedule's in-situ cost per crossing stage boundary and micro-batch (profiler/pipeline_insitu.py)
-    at one micro-batch size: the P2P of b·s·h values grows with b (tiny, 4 CPU ranks: GPipe 1.3 ms at b=1,
-    2.2 ms at b=8)."""
+    at one micro-batch size: the P2P of b·s·h values grows with b, so one size's figure does not hold
+    for the others."""
 
     micro_batch_size: int
     overheads: dict[str, float]
@@ -258,8 +258,8 @@ class Profile:
     pipeline_samples: list[PipelineSample] = field(default_factory=list)  # per micro-batch size
     chains: list[ChainSample] = field(default_factory=list)  # whole-model cuts, see `chain_factor`
     # one all-reduce of a scalar over all the measured ranks: the executor's step runs two (the global
-    # gradient norm, the logged loss); far below the link fit's intercept on CPU (4 gloo ranks on 2
-    # cores: 0.4 ms against 5.5 ms at 4 KiB); 0: not measured
+    # gradient norm, the logged loss); far below the link fit's intercept on CPU, which is fitted from
+    # 4 KiB up; 0: not measured
     step_sync_s: float = 0.0
     # presets of a GPU: the per-operation model (profiler/roofline.py) answers layer and recompute times
     roofline: Roofline | None = None
@@ -367,7 +367,7 @@ class Profile:
     def _recompute_ratio(self, kind: str, mode: str) -> float | None:
         """Measured extra time of a recomputed layer over its forward, median over samples; None if
         unmeasured. The extra is the backward's (the forward run again) plus the checkpointed forward's
-        over the plain one (its bookkeeping: tiny's block, b=2, s=64 on CPU, 0.6 ms on a 1.1 ms forward)."""
+        over the plain one (its bookkeeping, which is not negligible on small layers)."""
         def extra(c: ComputeSample) -> float:
             fwd_mode = getattr(c, f"forward_{mode}_s") or c.forward_s
             return max(0.0, getattr(c, f"backward_{mode}_s") - c.backward_s) + max(0.0, fwd_mode - c.forward_s)

@@ -56,6 +56,10 @@ class Roofline:
     grad_overlap: bool = True
     sequence_parallel: bool = True
     dtype_bytes: int = 2
+    # Share of one device's measured rates a synchronous group runs at: every collective waits for its
+    # slowest GPU, and GPUs of one model differ by "5% and higher ... on an 8-gpu node" (stas00/
+    # ml-engineering compute/accelerator/README.md, "Not all accelerators are created equal"). 1: one GPU.
+    pace: float = 1.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,7 +76,7 @@ class Roofline:
                    f.str("attention", choices=ATTENTION, default="flash"),
                    f.str("activations", choices=ACTIVATIONS, default="gathered"),
                    f.bool("grad_overlap", default=True), f.bool("sequence_parallel", default=True),
-                   f.int("dtype_bytes", min=1, default=2))
+                   f.int("dtype_bytes", min=1, default=2), f.float("pace", min=0.0, default=1.0) or 1.0)
 
     # ---- primitives ----
 
@@ -84,7 +88,7 @@ class Roofline:
         waves = math.ceil(tiles / self.sm_count)
         # useful share of the launched tiles (tile quantisation) and of the SM slots (wave quantisation)
         used = m * n * batch / (waves * self.sm_count * TILE_M * TILE_N)
-        compute = 2.0 * m * n * k * batch / (self.peak_flops * self.gemm_fraction * min(1.0, used))
+        compute = 2.0 * m * n * k * batch / (self.peak_flops * self.gemm_fraction * self.pace * min(1.0, used))
         memory = self.bytes_time((m * k + k * n + m * n) * batch * self.dtype_bytes)
         return max(compute, memory, self.launch_s)
 
@@ -116,7 +120,7 @@ class Roofline:
         d = spec.head_dim
         if self.attention == "flash":
             causal = 4.0 * b * s * s * heads * d / 2  # flash-attention's benchmark count: causal is half
-            rate = self.flash_rate(s, d)
+            rate = self.flash_rate(s, d) * self.pace
             return max(causal / rate, self.launch_s), max(2.5 * causal / rate, self.launch_s)
         batch = b * heads
         scores = batch * s * s * self.dtype_bytes

@@ -2,9 +2,8 @@
 
 FSDP2 (`fully_shard`, ZeRO ≥ 1) and `replicate` (ZeRO-0) run Python hooks around each wrapped unit's
 forward and backward, and keep parameters as DTensors, so AdamW dispatches through DTensor. On small
-layers or on CPU these costs are of the order of the layer's own compute (tiny on 2 CPU ranks: 1-4 ms
-per unit and micro-batch, against ~2 ms for a block's forward + backward), and no layer
-micro-benchmark sees them.
+layers or on CPU these costs are of the order of the layer's own compute per unit and micro-batch, and
+no layer micro-benchmark sees them.
 This phase times the model cut to `blocks` blocks (embedding and head kept: the root unit) bare and
 wrapped exactly as `executor.parallelize.apply_dp` wraps it, over a data-parallel mesh of all the ranks:
 on gradient-accumulation micro-batches (hooks, and ZeRO-3's parameter gathers), on synchronising ones
@@ -95,7 +94,7 @@ def _optimizer_time(model, device: torch.device, cfg: TimingConfig, executors: b
     from meshplan.executor.train import TrainConfig, make_optimizer, reduce_partial_grads
 
     params = list(model.parameters())
-    for p in params:  # random, not zero, gradients: CPU AdamW stepped 10 M zero ones in 98-144 ms, random 66-87
+    for p in params:  # random, not zero, gradients: on CPU AdamW's time depends on the values (zeros are slower)
         if not executors:
             p.grad = torch.randn_like(p)
         elif p.grad is None:
@@ -133,9 +132,9 @@ def _hook_seconds(bare_s: float, accumulate_s: float, bare_cpu: float, accumulat
     """Per unit and micro-batch: what the engine's hooks add. Where the hooks only compute (no collective
     on accumulation micro-batches: ZeRO-0 to 2) and the ranks share CPU cores, from the passes' process
     CPU time, at the bare pass's own wall over CPU ratio (the share of a core each rank got): the
-    difference of two wall times of ~10 ms passes on 4 ranks time-sliced over 2 cores swings by more
-    than the hooks (tiny, replicate, 4 ranks: 0.0-4.4 ms per unit in six samples within minutes, this
-    0.6-1.3 ms in six others); otherwise, and on GPUs, from the wall times."""
+    difference of two wall times of short passes on ranks time-sliced over fewer cores swings by more
+    than the hooks cost, while the CPU-time difference stays within a small range; otherwise, and on
+    GPUs, from the wall times."""
     if cpu_bound and bare_cpu > 0:
         return max(0.0, accumulate_cpu - bare_cpu) / units * max(1.0, bare_s / bare_cpu)
     return max(0.0, accumulate_s - bare_s) / units
@@ -237,8 +236,8 @@ def measure_chains(spec: ModelSpec, sizes: list[int], s: int, dtype: str, device
     with `tp_mesh` tensor-parallel across it (the split backward is not measured there). Every layer's
     time in the plan is scaled by this one measurement, so `earlier` rounds of `chain_pass_times` (taken
     at other moments of the profile) join this one and each size keeps the median: one short round can
-    land on a transient of a shared machine (tiny on 4 CPU ranks: one profile's chain measured 12.4 ms
-    at b=1, the next one's 23.3 ms, with equal per-layer samples; the runs agreed with the second)."""
+    land on a transient of a shared machine (two profiles with equal per-layer samples can time the chain
+    a factor of two apart), and that one figure would then move every prediction."""
     blocks = max(1, min(blocks, spec.num_layers))
     model = _model(spec, blocks, device, dtype, tp_mesh=tp_mesh)
     rounds = [*earlier, _chain_round(model, spec, sizes, s, device, cfg, tp_mesh, lockstep)]

@@ -87,7 +87,7 @@ def test_block_compute_on_gpu_preset_ring_and_all_to_all():
     f, g, af, ab = block_compute_time(profile, LLAMA, 1, s, tp, cp, "ring")
     # ring: the causal core's FLOPs / cp at flash-attention's rate for s/cp-long blocks, backward 2.5x
     flops = causal_core_flops(LLAMA, 1, s, tp) / cp
-    assert af == pytest.approx(flops / rl.flash_rate(s // cp, 128))
+    assert af == pytest.approx(flops / (rl.flash_rate(s // cp, 128) * rl.pace))
     assert ab == pytest.approx(2.5 * af)
     lf, lb = rl.attention_core(LLAMA, 1, s // cp, tp)
     fl, gl = compute_time(profile, "block", 1, s // cp, tp)

@@ -9,7 +9,7 @@ from meshplan.planner.topology import group_class
 from meshplan.profiler.analytic import layer_activation_bytes
 from meshplan.profiler.presets import device_roofline, preset_profile
 
-A100 = device_roofline(parse_cluster("8xa100-80gb"), "bf16")
+A100 = device_roofline(parse_cluster("1xa100-80gb"), "bf16")  # one GPU: no group pace
 
 
 def test_gemm_tile_and_wave_quantisation():
@@ -121,3 +121,23 @@ def test_cluster_file_topology(tmp_path):
     path.write_text("base: 8x8xh100-80gb\ntopology:\n  nvlink_domain: 12\n")
     with pytest.raises(InputError, match="topology.nvlink_domain"):
         parse_cluster(str(path))
+
+
+def test_a_group_runs_at_its_slowest_gpu():
+    """More than one GPU: compute at 95 % of one device's rates (5 % spread between the GPUs of a node)."""
+    group = device_roofline(parse_cluster("8xa100-80gb"), "bf16")
+    assert group.pace == pytest.approx(0.95) and A100.pace == 1.0
+    assert group.gemm(4096, 4096, 4096) == pytest.approx(A100.gemm(4096, 4096, 4096) / 0.95)
+    assert group.bytes_time(1e9) == A100.bytes_time(1e9)
+
+
+def test_megatron_keeps_shards_and_fused_swiglu_input():
+    """Megatron-LM keeps the norms' outputs as sequence shards (h/t each instead of the gathered h) and its
+    fused SwiGLU keeps only its input (3f kept instead of torch eager's 4f): per token, the difference is
+    2·h·B·(1 - 1/t) + f·B/t."""
+    spec = builtin_model("llama3-8b")
+    s, t, B = 4096, 8, 2
+    ours = layer_activation_bytes(spec, "block", 1, s, t, "bf16", "none", True)
+    megatron = layer_activation_bytes(spec, "block", 1, s, t, "bf16", "none", True, sharded_inputs=True)
+    h, f = spec.hidden_size, spec.ffn_hidden_size
+    assert ours - megatron == pytest.approx(s * (2 * h * B * (1 - 1 / t) + f * B / t))
