@@ -37,6 +37,7 @@ class DeviceSpec:
     attention_flops: dict[str, list[list[float]]] = field(default_factory=dict)
     # how far below one device's rates the slowest of a synchronous group runs (0: identical devices)
     device_spread: float = 0.0
+    comm_sms: int = 0  # SMs an overlapped NCCL collective holds (GPUs)
 
     @classmethod
     def from_dict(cls, data: dict, path: str) -> DeviceSpec:
@@ -63,6 +64,7 @@ class DeviceSpec:
                    sm_count=f.int("sm_count", min=0, default=0), memory_efficiency=mem_eff,
                    kernel_launch_s=f.float("kernel_launch_s", min=0.0, default=0.0),
                    device_spread=f.float("device_spread", min=0.0, default=0.0),
+                   comm_sms=f.int("comm_sms", min=0, default=0),
                    attention_flops={k: [[float(a), float(b)] for a, b in v] for k, v in table.items()})
 
 
@@ -142,15 +144,19 @@ FA2_GB200_DERIVED = _fa((141, 192, 232, 257, 273, 284), (163, 221, 265, 294, 308
 # - device_spread: GPUs of one model differ, "I have seen 5% and higher differences on an 8-gpu node"
 #   (stas00/ml-engineering compute/accelerator/README.md, "Not all accelerators are created equal"), and a
 #   synchronous group runs at its slowest.
+# - comm_sms: an NCCL all-gather overlapping a GEMM on H100 launched 24 blocks (NVIDIA developer forum,
+#   "Compute-Communication Overlap Causes Severe GEMM Performance Degradation because of Tail Effect",
+#   nsys); taken for every GPU preset.
 LAUNCH_S = 3.5e-6
 DEVICE_SPREAD = 0.05
+COMM_SMS = 24
 
 
 def _gpu(name: str, mem: int, peak: dict[str, float], hbm: float, mamf: float, sms: int,
          fa: dict[str, list[list[float]]], hbm_share: float) -> DeviceSpec:
     return DeviceSpec(name, "cuda", mem, peak, efficiency=mamf, memory_bandwidth_Bps=hbm, sm_count=sms,
                       memory_efficiency=hbm_share, kernel_launch_s=LAUNCH_S, attention_flops=fa,
-                      device_spread=DEVICE_SPREAD)
+                      device_spread=DEVICE_SPREAD, comm_sms=COMM_SMS)
 
 
 _A100 = {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12}

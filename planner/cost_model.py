@@ -253,6 +253,16 @@ def unhidden_share(profile, dp: int, zero: int, num_layers: int, num_stages: int
     return 1.0 / max(1.0, num_layers / num_stages)
 
 
+def overlap_tax(profile) -> float:
+    """Share of compute lost while an overlapped collective runs: NCCL's kernels hold SMs the GEMMs would
+    use (an H100 under FSDP prefetch: ncclAllGather launched 24 blocks of the 132 SMs, NVIDIA developer
+    forum "Compute-communication overlap causes severe GEMM performance degradation because of tail
+    effect"). Compute of work W overlapping a collective of duration C then takes W/r + C·share.
+    GPU presets only; a measured profile times the engines in situ."""
+    r = getattr(profile, "roofline", None)
+    return r.comm_sms / r.sm_count if r is not None and r.sm_count > 0 else 0.0
+
+
 def optimizer_time(profile, params: float, dp: int, zero: int, tp: int = 1) -> float:
     """Optimizer step over the parameters this device updates (÷dp with ZeRO ≥ 1): memory bound, measured
     seconds per parameter of the executor's global-norm clip and AdamW, or preset ones (AdamW's 36 B and
@@ -484,6 +494,8 @@ class StageProblem:
     boundary_relief: list[float] = field(default_factory=list)
     hop_wait: list[float] = field(default_factory=list)
     step_sync: float = 0.0  # seconds per iteration on every rank: the step's scalar all-reduces (step_sync_time)
+    # share of the GPU that overlapped collectives take from compute while they run (`overlap_tax`)
+    overlap_tax: float = 0.0
 
     @property
     def state_kept(self) -> float:
@@ -586,9 +598,12 @@ def evaluate(problem: StageProblem, bounds: list[int], recompute: list[int],
         gather = sum(rows[s]["gather"] for s in stages)
         compute = sum(rows[s]["f"] + rows[s]["g"] for s in stages)
         z3.append(max(gather - compute, P.unhidden * gather) if gather > 0 else 0.0)
+        # hidden gathers still slow the compute they overlap (overlap_tax of it while they run)
+        z3[r] += P.overlap_tax * (gather - z3[r]) if gather > 0 else 0.0
         tau.append(sum(rows[s]["base"] for s in stages) + z3[r])
         sync = sum(rows[s]["dp"] for s in stages)
         exposed = max(sync - sum(rows[s]["g"] for s in stages), P.unhidden * sync)
+        exposed += P.overlap_tax * (sync - exposed)
         tails.append((exposed, sum(rows[s]["opt"] for s in stages) + P.step_sync))
         mem.append(peak_memory(sum(rows[s]["state"] for s in stages), P.fixed[r], P.inflight[r],
                                sum(rows[s]["act"] for s in stages), sum(rows[s]["opt_ws"] for s in stages), P.ws, r,
@@ -630,12 +645,20 @@ class Links:
     dp: str
     cp: str = "intra_node"
     ep: str = "intra_node"  # the worst EP group's class (planner/cost_ep.ep_link)
+    dp_local: int = 1  # fewest members of a dp x cp group inside one NVLink domain
 
     @property
     def dp_cp(self) -> str:
         """The flattened dp x cp group that averages gradients: the slower of the two groups' classes (the
         union of a dp group's cp groups stays inside whatever holds both)."""
         return next((c for c in ("inter_leaf", "inter_node") if c in (self.dp, self.cp)), "intra_node")
+
+    @property
+    def dp_cp_group(self) -> str:
+        """`dp_cp`, with the members per NVLink domain when a spanning group has several ("inter_node/8"):
+        NCCL then runs the collective hierarchically and all their NICs carry it (Profile.collective_time)."""
+        link = self.dp_cp
+        return f"{link}/{self.dp_local}" if link != "intra_node" and self.dp_local > 1 else link
 
 
 class Terms:
@@ -726,7 +749,7 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
     time = [rows[k][0] + rows[k][1] + rows[k][2] for k in kinds]
     act = [rows[k][3] for k in kinds]
     sync = grad_sync(cand)
-    state, opt, dps, gather = terms.per_layer(tp, dp, zero, links.dp_cp, sync)
+    state, opt, dps, gather = terms.per_layer(tp, dp, zero, links.dp_cp_group, sync)
     rec_time, rec_saving, rec_tp = terms.recompute(b, tp, cand.recompute)
     S = cand.num_stages
     rank = [stage_rank(k, pp, cand.schedule, v) for k in range(S)]
@@ -751,7 +774,7 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
         ws=add_ep_buffers(add_cp_buffers(step_transients(model, cand, seq_len, dtype, rank), model, cand, seq_len,
                                          dtype), model, cand, seq_len, dtype, imbalance),
         grads_idle=grads_idle(state_bytes, cand.m, inflight),
-        step_sync=step_sync_time(profile, dp * tp * pp, links),
+        step_sync=step_sync_time(profile, dp * tp * pp, links), overlap_tax=overlap_tax(profile),
     )
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from meshplan.planner.cluster_spec import ClusterSpec
 from meshplan.planner.cost_model import Links
 from meshplan.planner.model_spec import ModelSpec
-from meshplan.planner.topology import device_levels, group_class
+from meshplan.planner.topology import device_levels, group_class, members_per_domain
 
 # outermost first; context-parallel groups sit between dp and tp: next to TP inside a node / NVLink domain
 # where cp·tp fits, because ring and all-to-all CP communicate every layer (planner/cost_cp.py)
@@ -70,7 +70,8 @@ class Placer:
             ranks = self.place(pp, dp, tp, order, cp).ranks
             dom, su = self.domains[ranks], self.sus[ranks]
             self._links[key] = Links(tp=group_class(dom, su, 3), pp=group_class(dom, su, 0),
-                                     dp=group_class(dom, su, 1), cp=group_class(dom, su, 2))
+                                     dp=group_class(dom, su, 1), cp=group_class(dom, su, 2),
+                                     dp_local=members_per_domain(dom, (1, 2)))
         return self._links[key]
 
     def orders(self, pp: int, dp: int, tp: int, cp: int = 1) -> list[tuple[str, ...]]:

@@ -271,7 +271,7 @@ class Search:
         sums = self._kind_sums(b, tp, cand.schedule, terms)
         fsum, gsum, tsum, tmax = sums["f"], sums["g"], sums["t"], sums["tmax"]
         rows = sums["rows"]
-        agg = self._layer_sums(tp, dp, cand.zero, links.dp_cp, grad_sync(cand), terms)
+        agg = self._layer_sums(tp, dp, cand.zero, links.dp_cp_group, grad_sync(cand), terms)
         rank = self._ranks(pp, cand.schedule, cand.v)
         pipe = self._pipeline(cand, links.pp, rank)[0]
         unhidden = unhidden_share(self.profile, dp, cand.zero, q.num_layers, S)
@@ -358,7 +358,8 @@ class Search:
         root = root_hook_time(self.profile, dp, cand.zero)
         for k in rank:
             fixed[k] += root
-        for i, _, kind in self._layer_sums(cand.tp, dp, cand.zero, links.dp_cp, grad_sync(cand), terms)["ends"]:
+        for i, _, kind in self._layer_sums(cand.tp, dp, cand.zero, links.dp_cp_group, grad_sync(cand),
+                                           terms)["ends"]:
             fixed[rank[0] if i < q.first_block else rank[-1]] += sum(rows[kind][:3])
         rec_time, rec_saving, _ = terms.recompute(cand.b, cand.tp, cand.recompute)
         mode = "none" if cand.recompute == "none" else ("all" if cand.recompute_pinned else "free")

@@ -102,6 +102,17 @@ def group_class(domains: np.ndarray, sus: np.ndarray, axis: int) -> str:
     return "intra_node"
 
 
+def members_per_domain(domains: np.ndarray, axes: tuple[int, ...]) -> int:
+    """Fewest members any group spanning `axes` of a placed [pp, dp, cp, tp] mesh has inside one NVLink
+    domain (its other members sit in other domains)."""
+    rest = [a for a in range(domains.ndim) if a not in axes]
+    groups = np.transpose(domains, rest + list(axes)).reshape(-1, int(np.prod([domains.shape[a] for a in axes])))
+    fewest = groups.shape[1]
+    for row in groups:
+        fewest = min(fewest, int(np.unique(row, return_counts=True)[1].min()))
+    return fewest
+
+
 def bottleneck_Bps(graph: nx.Graph, a: int, b: int) -> float:
     """Bandwidth of the slowest edge on the lowest-latency path between two devices: what a P2P send
     between them gets."""

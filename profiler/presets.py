@@ -29,7 +29,7 @@ def device_roofline(cluster: ClusterSpec, dtype: str, attention: str = "flash", 
                     hbm_Bps=d.memory_bandwidth_Bps, hbm_fraction=d.memory_efficiency,
                     attention_flops=d.attention_flops, launch_s=d.kernel_launch_s, attention=attention,
                     activations=activations, grad_overlap=grad_overlap, sequence_parallel=sequence_parallel,
-                    pace=1.0 - d.device_spread if cluster.world_size > 1 else 1.0)
+                    pace=1.0 - d.device_spread if cluster.world_size > 1 else 1.0, comm_sms=d.comm_sms)
 
 
 def preset_profile(model: ModelSpec, cluster: ClusterSpec, dtype: str = "bf16", **software) -> Profile:

@@ -388,6 +388,16 @@ class Profile:
         return analytic * (sum(ratios) / len(ratios) if ratios else 1.0)
 
     def collective_time(self, op: str, nbytes: float, n: int, link_class: str) -> float:
+        """Seconds of one collective over n ranks on a class of link. "inter_node/g": a group spanning
+        domains with g members in each; NCCL reduces inside a domain first and all g NICs carry the
+        inter-node part, so the NIC fit sees 1/g of the bytes (4 nodes x 8 B200 on 8 NICs each: 381.8 GB/s
+        all-reduce busbw against 50 GB/s per NIC, stas00/ml-engineering network/README.md), never faster
+        than the domain's own links."""
+        link_class, _, local = link_class.partition("/")
+        if local and int(local) > 1 and n > int(local):
+            g = int(local)
+            inside = self.collective_time(op, nbytes, n, "intra_node")
+            return max(inside, self.collective_time(op, nbytes / g, n, link_class))
         steps, factor = collective_factors(op, n)
         if steps == 0.0:
             return 0.0

@@ -60,6 +60,7 @@ class Roofline:
     # slowest GPU, and GPUs of one model differ by "5% and higher ... on an 8-gpu node" (stas00/
     # ml-engineering compute/accelerator/README.md, "Not all accelerators are created equal"). 1: one GPU.
     pace: float = 1.0
+    comm_sms: int = 0  # SMs an overlapped NCCL collective occupies (planner/cost_model.overlap_tax)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -76,7 +77,8 @@ class Roofline:
                    f.str("attention", choices=ATTENTION, default="flash"),
                    f.str("activations", choices=ACTIVATIONS, default="gathered"),
                    f.bool("grad_overlap", default=True), f.bool("sequence_parallel", default=True),
-                   f.int("dtype_bytes", min=1, default=2), f.float("pace", min=0.0, default=1.0) or 1.0)
+                   f.int("dtype_bytes", min=1, default=2), f.float("pace", min=0.0, default=1.0) or 1.0,
+                   f.int("comm_sms", min=0, default=0))
 
     # ---- primitives ----
 

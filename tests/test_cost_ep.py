@@ -149,5 +149,6 @@ def test_moe_plan_round_trips(ep8_plan, tmp_path):
     path = str(tmp_path / "plan.json")
     save_plan(ep8_plan, path)
     again = load_plan(path)
-    assert again.parallel.ep == 8 and again.parallel.expert_dp == 2
+    p = again.parallel
+    assert p.ep == 8 and p.expert_dp == p.dp * p.cp // 8 and again.parallel == ep8_plan.parallel
     assert again.model == ep8_plan.model and again.model.moe.num_experts == 8

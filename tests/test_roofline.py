@@ -141,3 +141,29 @@ def test_megatron_keeps_shards_and_fused_swiglu_input():
     megatron = layer_activation_bytes(spec, "block", 1, s, t, "bf16", "none", True, sharded_inputs=True)
     h, f = spec.hidden_size, spec.ffn_hidden_size
     assert ours - megatron == pytest.approx(s * (2 * h * B * (1 - 1 / t) + f * B / t))
+
+
+def test_hierarchical_collective_uses_every_nic_of_the_group():
+    """A group of 16 over 2 nodes with 8 members in each: NCCL reduces inside the node first, and 8 NICs
+    carry the inter-node part, so the NIC fit sees 1/8 of the bytes; never faster than NVLink."""
+    profile = preset_profile(builtin_model("tiny"), parse_cluster("2x8xh100-80gb"), "bf16")
+    flat = profile.collective_time("all_gather", 2**30, 16, "inter_node")
+    hier = profile.collective_time("all_gather", 2**30, 16, "inter_node/8")
+    assert hier == pytest.approx(max(profile.collective_time("all_gather", 2**30, 16, "intra_node"),
+                                     profile.collective_time("all_gather", 2**30 / 8, 16, "inter_node")))
+    assert flat / 8 < hier < flat
+    assert profile.collective_time("all_gather", 2**30, 16, "inter_node/1") == flat
+
+
+def test_members_per_domain_and_overlap_tax():
+    import numpy as np
+    from meshplan.planner.cost_model import overlap_tax
+    from meshplan.planner.topology import members_per_domain
+
+    dom = np.arange(16).reshape(1, 16, 1, 1) // 8  # pp 1, dp 16 over two 8-GPU domains
+    assert members_per_domain(dom, (1, 2)) == 8
+    dom = (np.arange(16).reshape(1, 2, 1, 8) // 8)  # dp 2 across domains, tp 8 inside
+    assert members_per_domain(dom, (1, 2)) == 1
+    # an overlapped collective holds 24 of an H100's 132 SMs while it runs
+    profile = preset_profile(builtin_model("tiny"), parse_cluster("8xh100-80gb"), "bf16")
+    assert overlap_tax(profile) == pytest.approx(24 / 132)
