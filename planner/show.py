@@ -103,7 +103,7 @@ def summary(plan: Plan, timeline: Timeline | None, width: int) -> list:
              f"dp {p.dp} x micro-batch {p.micro_batch_size} x {p.num_micro_batches} micro-batches"),
         *moe_lines(plan),
         Text(""),
-        _stage_table(plan, cap),
+        _stage_table(plan, cap, width),
         Text(f"predicted: iteration {_secs(pred.iteration_time_s)}, {pred.tokens_per_s:,.0f} tokens/s, "
              f"MFU {pred.mfu:.1%}, bubble {pred.bubble_fraction:.1%}"
              + (f" (timeline below: {timeline.bubble_fraction:.1%})" if timeline else "")
@@ -172,8 +172,9 @@ def _bar(used: float, capacity: float) -> str:
     return "█" * filled + "░" * (BAR_WIDTH - filled) + ("!" if frac > 1 else " ") + f"{frac:>4.0%}"
 
 
-def _stage_table(plan: Plan, capacity: float) -> Table:
-    """One row per stage; the rank column only when ranks hold several stages, ckpt only with recompute."""
+def _stage_table(plan: Plan, capacity: float, width: int = 120) -> Table:
+    """One row per stage; the rank column only when ranks hold several stages, ckpt only with recompute;
+    the memory bar only where it fits (width ≥ 100), so that 80 columns show every number."""
     with_rank = plan.parallel.virtual_stages > 1
     with_ckpt = any(s.recompute_layers for s in plan.stages)
     longest = max((s.predicted_time_s.get("total", 0.0) for s in plan.stages), default=0.0)
@@ -182,7 +183,8 @@ def _stage_table(plan: Plan, capacity: float) -> Table:
                   + (" (ckpt = layers recomputed)" if with_ckpt else ""),
                   box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0), title_justify="left")
     cols = ["stage"] + (["rank"] if with_rank else []) + ["layers"] + (["ckpt"] if with_ckpt else []) \
-        + ["fwd", "bwd", "recomp", "comm", "total", f"memory of {human_bytes(capacity)}"]
+        + ["fwd", "bwd", "recomp" if width >= 100 else "rec", "comm", "total",
+           f"memory of {human_bytes(capacity)}" if width >= 100 else "memory"]
     for col in cols:
         table.add_column(col, justify="left" if col == "layers" else "right", no_wrap=True)
     for s in plan.stages:
@@ -190,7 +192,9 @@ def _stage_table(plan: Plan, capacity: float) -> Table:
         row = [str(s.stage)] + ([str(s.pp_rank)] if with_rank else []) + [layer_span(plan.model, *s.layers)] \
             + ([str(s.recompute_layers)] if with_ckpt else []) \
             + [f"{t.get(k, 0.0) * scale:.4g}" for k in ("forward", "backward", "recompute", "communication", "total")]
-        table.add_row(*row, Text(f"{human_bytes(mem)} {_bar(mem, capacity)}", style="red" if mem > capacity else ""))
+        shown = f"{human_bytes(mem)} {_bar(mem, capacity)}" if width >= 100 else \
+            f"{human_bytes(mem)} {mem / capacity:.0%}"
+        table.add_row(*row, Text(shown, style="red" if mem > capacity else ""))
     return table
 
 
