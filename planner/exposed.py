@@ -30,8 +30,7 @@ def exposed_communication(cand: Candidate, problem: StageProblem, ev: Evaluation
     apart from the ZeRO-3 remainder."""
     r = bottleneck_rank(problem, ev)
     stages = rank_of_stages(problem)[r]
-    mode = cand.recompute if cand.recompute != "none" else "none"
-    rec_tp = terms.recompute(cand.b, cand.tp, mode)[2] if mode != "none" else 0.0
+    rec_tp = terms.recompute(cand.b, cand.tp, cand.recompute)[2] if cand.recompute != "none" else 0.0
     tp = pp = comm = dp = 0.0
     for s in stages:
         layers = range(bounds[s], bounds[s + 1])

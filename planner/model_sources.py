@@ -107,20 +107,8 @@ def from_hf_config(path: str) -> ModelSpec:
             norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
         )
     if model_type in ("llama", "mistral", "qwen2"):
-        heads = _cfg_int(cfg, path, "num_attention_heads")
-        h = _cfg_int(cfg, path, "hidden_size")
-        return ModelSpec(
-            name=name, arch="llama", vocab_size=_cfg_int(cfg, path, "vocab_size"), hidden_size=h,
-            num_layers=_cfg_int(cfg, path, "num_hidden_layers"), num_heads=heads,
-            num_kv_heads=_cfg_int(cfg, path, "num_key_value_heads", default=heads),
-            head_dim=_cfg_int(cfg, path, "head_dim", default=h // heads),
-            ffn_hidden_size=_cfg_int(cfg, path, "intermediate_size"),
-            max_seq_len=_cfg_int(cfg, path, "max_position_embeddings", default=2048),
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        )
+        return _llama_spec(cfg, path, name, max_seq_len=2048, qkv_bias=model_type == "qwen2", norm_eps=1e-5,
+                           rope_theta=10000.0)
     if model_type in MOE_MODEL_TYPES:
         return _moe_from_hf(cfg, path, name, model_type)
     if model_type in UNREADABLE_MOE_TYPES:
@@ -149,9 +137,6 @@ def _moe_from_hf(cfg: dict, path: str, name: str, model_type: str) -> ModelSpec:
     """Mixtral (num_local_experts, every block sparse), Qwen2-MoE (a shared expert behind a sigmoid gate,
     decoder_sparse_step, no top-k renormalisation by default, q/k/v bias), Qwen3-MoE (q/k RMSNorm per head).
     Field names and defaults as in transformers' configuration_{mixtral,qwen2_moe,qwen3_moe}.py."""
-    heads = _cfg_int(cfg, path, "num_attention_heads")
-    h = _cfg_int(cfg, path, "hidden_size")
-    layers = _cfg_int(cfg, path, "num_hidden_layers")
     qwen = model_type != "mixtral"
     if cfg.get("hidden_act", "silu") != "silu":
         raise InputError(f"{path}: field 'hidden_act': expected 'silu' (SwiGLU experts), got {cfg['hidden_act']!r}")
@@ -173,19 +158,29 @@ def _moe_from_hf(cfg: dict, path: str, name: str, model_type: str) -> ModelSpec:
         router="softmax", norm_topk_prob=bool(cfg.get("norm_topk_prob", not qwen)),
         aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001 if qwen else 0.02)),
     )
+    return _llama_spec(cfg, path, name, max_seq_len=4096, qkv_bias=model_type == "qwen2_moe",
+                       norm_eps=1e-6 if qwen else 1e-5, rope_theta=1e6 if model_type == "mixtral" else 10000.0,
+                       qk_norm=model_type == "qwen3_moe", moe=moe)
+
+
+def _llama_spec(cfg: dict, path: str, name: str, *, max_seq_len: int, qkv_bias: bool, norm_eps: float,
+                rope_theta: float, **extra) -> ModelSpec:
+    """A llama-architecture ModelSpec from an HF config's common fields; the keyword arguments are the
+    model type's defaults for fields the config may leave out (and, in `extra`, what only it has)."""
+    heads = _cfg_int(cfg, path, "num_attention_heads")
+    h = _cfg_int(cfg, path, "hidden_size")
     return ModelSpec(
         name=name, arch="llama", vocab_size=_cfg_int(cfg, path, "vocab_size"), hidden_size=h,
-        num_layers=layers, num_heads=heads,
+        num_layers=_cfg_int(cfg, path, "num_hidden_layers"), num_heads=heads,
         num_kv_heads=_cfg_int(cfg, path, "num_key_value_heads", default=heads),
         head_dim=_cfg_int(cfg, path, "head_dim", default=h // heads),
         ffn_hidden_size=_cfg_int(cfg, path, "intermediate_size"),
-        max_seq_len=_cfg_int(cfg, path, "max_position_embeddings", default=4096),
+        max_seq_len=_cfg_int(cfg, path, "max_position_embeddings", default=max_seq_len),
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2_moe" or bool(cfg.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3_moe",
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if qwen else 1e-5)),
-        rope_theta=float(cfg.get("rope_theta", 1e6 if model_type == "mixtral" else 10000.0)),
-        moe=moe,
+        qkv_bias=qkv_bias or bool(cfg.get("attention_bias", False)),
+        norm_eps=float(cfg.get("rms_norm_eps", norm_eps)),
+        rope_theta=float(cfg.get("rope_theta", rope_theta)),
+        **extra,
     )
 
 
