@@ -26,6 +26,8 @@ def run(capsys, *argv):
     (["llama3-8b", "--cluster", "8xa100-80gb", "--dp", "2", "--tp", "2", "--pp", "1", "--cp", "1"],
      "dp x tp x pp x cp = 4"),
     (["llama3-8b", "--cluster", "8xa100-80gb", "--dp", "3"], "--dp: 3 does not divide"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--cp", "3"], "--cp: 3 does not divide"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--ep", "2"], "--ep/--expert-tp: llama3-8b is dense"),
     (["llama3-8b", "--cluster", "8xa100-80gb", "--global-batch-size", "12", "--dp", "8"], "not divisible by --dp"),
     (["llama3-8b", "--cluster", "8xa100-80gb", "--global-batch-size", "16", "--micro-batch-size", "3"],
      "--micro-batch-size"),
