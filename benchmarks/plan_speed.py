@@ -60,8 +60,9 @@ def main() -> None:
         totals[name] = total
         s, p = plan.search, plan.parallel
         ilps = s.solver.split("(")[1].split(" ILPs")[0] if "(" in s.solver else "?"
-        desc = f"tp{p.tp} pp{p.pp} dp{p.dp} z{p.zero} {p.schedule}" + (f" v{p.virtual_stages}" if p.virtual_stages > 1
-                                                                        else "") + f" b{p.micro_batch_size}"
+        desc = f"tp{p.tp} pp{p.pp} dp{p.dp}" + (f" cp{p.cp}" if p.cp > 1 else "") + (f" ep{p.ep}" if p.ep > 1 else "")
+        desc += f" z{p.zero} {p.schedule}" + (f" v{p.virtual_stages}" if p.virtual_stages > 1 else "")
+        desc += f" b{p.micro_batch_size}"
         table.add_row(name, cluster_text, str(gbs), str(seq), str(s.candidates), ilps, f"{s.seconds:.2f}",
                       f"{s.seconds / max(1, s.candidates) * 1e6:.0f}", f"{total:.2f}", desc,
                       f"{plan.predicted.iteration_time_s:.2f}", f"{plan.predicted.mfu:.1%}")

@@ -43,11 +43,10 @@ def _check_moe(plan: Plan) -> None:
         return
     if spec.moe.num_experts % p.ep:
         raise InputError(f"plan.parallel.ep: {p.ep} does not divide the model's {spec.moe.num_experts} experts")
-    if p.expert_tp > 1:
-        raise InputError(f"plan.parallel.expert_tp: {p.expert_tp}: the executor runs experts unsharded over "
-                         f"tensor parallelism (expert_tp=1) only")
+    if p.expert_tp > 1:  # expert_tp = tp (ParallelConfig): each expert's width is split over TP
+        for what, n in (("expert_ffn_hidden_size", spec.moe.expert_ffn_hidden_size),
+                        ("shared_expert_ffn_hidden_size", spec.moe.shared_expert_ffn_hidden_size)):
+            if n % p.expert_tp:
+                raise InputError(f"plan.parallel.expert_tp: {p.expert_tp} does not divide the model's {what} = {n}")
     if spec.moe.capacity_factor is not None:
         raise InputError("plan.model.moe.capacity_factor: the executor is dropless only; set it to null")
-    if p.ep > 1 and p.schedule == "zero-bubble":
-        raise InputError("plan.parallel.schedule: zero-bubble splits backward into input and weight passes, "
-                         "which the experts' all-to-all does not support; use 1f1b or interleaved-1f1b with ep > 1")

@@ -125,6 +125,9 @@ def lost_peer(exc: BaseException) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     rank = os.environ.get("RANK", "0")
+    # Expandable segments keep the caching allocator's fragmentation small, as torchtitan's launcher does;
+    # the planner's --memory-margin assumes them (planner/memory_reserve.py). Read at CUDA's first use.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         args = parse_args(argv)
         plan = load_plan(args.plan)

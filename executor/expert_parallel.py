@@ -17,10 +17,20 @@ expert-data-parallel replicas, with a gradient divide factor of dp·cp (torchtit
 `set_gradient_divide_factor`) instead of edp, so that experts get the gradient of the mean loss over all
 dp·cp ranks, exactly as the dense parameters that FSDP averages over dp.
 
-Tensor parallelism (expert_tp = 1): attention is tensor-parallel as usual; the MoE feed-forward runs
-replicated on the TP ranks over the whole sequence (with sequence parallelism its input is gathered and
-its output re-sharded on the sequence, whose backward all-gathers the gradient, so every TP rank computes
-identical expert gradients). expert_tp = tp (experts sharded over TP too) is not run by this executor.
+Tensor parallelism: attention is tensor-parallel as usual, and every TP rank routes the whole sequence
+(with sequence parallelism the MoE's input is gathered over the sequence first), so the router, the
+load-balancing loss and the EP exchange are the same on the TP ranks of a group.
+- expert_tp = 1: the MoE feed-forward runs replicated on the TP ranks (its output re-sharded on the
+  sequence under sequence parallelism, whose backward all-gathers the gradient), so every TP rank computes
+  identical expert gradients.
+- expert_tp = tp (Megatron-Core's expert tensor parallelism, torchtitan's ExpertTensorParallel): each
+  expert's width is split over the TP group, w1/w3 on their output (expert-ffn) dim, w2 on its input dim,
+  as DTensors on the (ep, tp) mesh (`shard_experts_over_tp`, then `apply_ep`); shared experts are
+  column/row-parallel alike. Each TP rank computes its width shard of every routed row, so the block's
+  output is a partial sum over TP, reduced by the block's output hook (all-reduce, or reduce-scatter onto
+  the sequence shard with sequence parallelism). The tensors every TP rank holds whole that feed those
+  partial sums (the experts' input rows, the routing weights, the shared-expert gate) sum their gradients
+  over TP in backward (moe.MoE._whole_over_tp).
 """
 
 from __future__ import annotations
@@ -28,12 +38,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from meshplan.executor.moe import GroupedExperts, MoE
+from meshplan.executor.moe import GroupedExperts, MoE, moe_modules
 from meshplan.planner.plan import ParallelConfig
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel
 
 
 def expert_meshes(mesh: DeviceMesh, cfg: ParallelConfig) -> tuple[DeviceMesh, DeviceMesh]:
@@ -77,14 +87,39 @@ def _experts(module: nn.Module) -> list[GroupedExperts]:
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     """Shard every MoE block's experts over `ep_mesh` (dim 0, num_experts/ep per rank) and route their
-    rows through all-to-all. Runs on the meta device, before activation checkpointing and FSDP."""
+    rows through all-to-all. Experts already width-sharded over TP (`shard_experts_over_tp`) go onto the
+    (ep, tp) mesh. Runs on the meta device, before activation checkpointing and FSDP."""
     ep = ep_mesh.size()
     for experts in _experts(model):
         if experts.num_experts % ep:
             raise ValueError(f"plan.parallel.ep: {ep} does not divide the model's {experts.num_experts} experts")
         for name, p in list(experts.named_parameters(recurse=False)):
-            experts.register_parameter(name, nn.Parameter(distribute_tensor(p, ep_mesh, [Shard(0)])))
+            mesh, placements = ep_mesh, [Shard(0)]
+            if isinstance(p, DTensor):  # meta: only the full shape matters, materialise fills the shards
+                mesh, placements = DeviceMesh._concatenate([ep_mesh, p.device_mesh]), placements + list(p.placements)
+                p = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            experts.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, placements)))
         experts.dispatcher = AllToAllDispatch(ep_mesh.get_group(), ep)
+
+
+def shard_experts_over_tp(moe: MoE, tp_mesh: DeviceMesh) -> None:
+    """expert_tp = tp: split every expert's width over `tp_mesh` (w1/w3 [E, f, h] on f, column-parallel;
+    w2 [E, h, f] on f, row-parallel) and mark the MoE's outputs as partial sums over TP."""
+    experts, tp = moe.experts, tp_mesh.size()
+    if experts.w1.shape[1] % tp:
+        raise ValueError(f"plan.parallel.expert_tp: {tp} does not divide the experts' width {experts.w1.shape[1]}")
+    for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
+        p = getattr(experts, name)
+        if p is not None:
+            experts.register_parameter(name, nn.Parameter(distribute_tensor(p, tp_mesh, [Shard(dim)])))
+    moe.expert_tp_group = tp_mesh.get_group()
+
+
+def balance_over_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+    """Context parallelism: every MoE block's load-balancing loss sums its statistics over the CP group, so
+    that it is the whole sequence's (executor/moe.py)."""
+    for moe in moe_modules(model):
+        moe.cp_group = cp_mesh.get_group()
 
 
 def shard_experts(block: nn.Module, edp_mesh: DeviceMesh, cfg: ParallelConfig, wrap) -> None:
@@ -101,14 +136,28 @@ def shard_experts(block: nn.Module, edp_mesh: DeviceMesh, cfg: ParallelConfig, w
             experts.set_force_sum_reduction_for_comms(True)
 
 
-def moe_tp_plan(sequence_parallel: bool) -> dict:
-    """TP plan entries of a MoE block's feed-forward (expert_tp = 1): replicated over the TP ranks; with
-    sequence parallelism the input is gathered over the sequence and the output sharded back."""
-    if not sequence_parallel:
-        return {}
-    return {"feed_forward": PrepareModuleInputOutput(
-        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-        output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)}
+def moe_tp_plan(block: nn.Module, sequence_parallel: bool, expert_tp: bool = False) -> dict:
+    """TP plan entries of a MoE block's feed-forward. The input is gathered over the sequence (sequence
+    parallelism). expert_tp = 1: replicated over the TP ranks, the output sharded back on the sequence.
+    expert_tp = tp: the output is a partial sum over TP, all-reduced or reduce-scattered onto the
+    sequence; shared experts column/row-parallel, their output partial too."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    if not expert_tp:
+        if not sequence_parallel:
+            return {}
+        return {"feed_forward": PrepareModuleInputOutput(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)}
+    plan: dict = {"feed_forward": PrepareModuleInputOutput(
+        input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Partial(),), desired_output_layouts=(seq,), use_local_output=True)}
+    shared = block.feed_forward.shared_experts
+    if shared is not None:
+        plan.update({"feed_forward.shared_experts.w1": ColwiseParallel(),
+                     "feed_forward.shared_experts.w2": RowwiseParallel(output_layouts=Partial())})
+        if shared.w3 is not None:
+            plan["feed_forward.shared_experts.w3"] = ColwiseParallel()
+    return plan
 
 
 def is_moe_block(block: nn.Module) -> bool:

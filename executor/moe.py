@@ -13,7 +13,12 @@ normalisation (switch_load_balancing_loss_func: E/(k·T²) · sum_i count_i · s
 balanced), computed per sequence and averaged over the sequences (T = the sequence's tokens; DeepSeek-V3
 uses the same per-sequence form). Per sequence, it is a sum over the batch's rows, so any split of the
 global batch into data-parallel shards and micro-batches gives the same gradient as the whole batch at
-once: every plan trains the same model. The loss is not added to the reported loss; its gradient is
+once: every plan trains the same model. Context parallelism splits each sequence over the CP ranks: the
+per-expert counts and score sums are all-reduced over the CP group (`cp_group`, an autograd-aware
+all-reduce whose backward sums the CP ranks' gradients, which the dp·cp gradient average then divides
+back), so every chunk's router gets the whole sequence's loss and gradient. Tensor parallelism gathers the
+sequence before the router (executor/expert_parallel.py): every TP rank routes, and balances, the same
+tokens. The loss is not added to the reported loss; its gradient is
 injected into backward at the block's output (Megatron-Core's MoEAuxLossAutoScaler), scaled by
 `aux_loss_scale` = the scale the training loop applies to the main loss (1/num_micro_batches in a plain
 loop, the fp16 loss scale), set by `set_aux_loss_scale`.
@@ -22,6 +27,8 @@ loop, the fp16 loss scale), set by `set_aux_loss_scale`.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 from meshplan.planner.model_spec import ModelSpec
@@ -41,6 +48,29 @@ class _AttachAuxLoss(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (aux,) = ctx.saved_tensors
         return grad, torch.ones_like(aux)
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity on `x`; in backward, the gradient summed over `group` (Megatron's
+    copy_to_tensor_model_parallel_region): for a tensor every TP rank holds whole that feeds expert-TP
+    partial sums, so each rank's gradient is only its width shard's share."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _sum_over(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """All-reduce (sum) with autograd: its backward sums the gradients over `group` too."""
+    out = funcol.all_reduce(t, "sum", group)
+    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -115,6 +145,13 @@ class MoE(nn.Module):
             if moe.num_shared_experts else None
         self.shared_gate = nn.Linear(spec.hidden_size, 1, bias=False) if moe.shared_expert_gate else None
         self.aux_loss_scale = 1.0
+        self.cp_group: dist.ProcessGroup | None = None  # context parallelism: the aux loss's statistics summed
+        self.expert_tp_group: dist.ProcessGroup | None = None  # expert_tp = tp: experts return partial sums
+
+    def _whole_over_tp(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`, held whole by every TP rank, feeds the experts' partial sums (expert_tp = tp): sum its
+        gradient over TP. Identity otherwise."""
+        return t if self.expert_tp_group is None else _SumGrad.apply(t, self.expert_tp_group)
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(scores over all experts [T, E] in fp32, the top-k weights [T, k], their expert ids [T, k])."""
@@ -130,8 +167,12 @@ class MoE(nn.Module):
         e, k = self.cfg.num_experts, self.cfg.top_k
         if self.cfg.router == "sigmoid":  # per-expert sigmoid scores: compare their shares, as for softmax
             scores = scores / scores.sum(dim=-1, keepdim=True)
-        probs = scores.view(b, s, e).mean(dim=1)  # [b, E]
-        counts = F.one_hot(ids.view(b, s * k), e).sum(dim=1).float()  # [b, E]
+        counts = F.one_hot(ids.view(b, s * k), e).sum(dim=1).to(scores.dtype)  # [b, E]
+        stats = torch.cat([scores.view(b, s, e).sum(dim=1), counts], dim=-1)  # [b, 2E]: score sums, counts
+        if self.cp_group is not None:  # this rank holds a chunk of each sequence: sum over the whole sequence
+            stats = _sum_over(stats, self.cp_group)
+            s *= dist.get_world_size(self.cp_group)
+        probs, counts = stats[:, :e] / s, stats[:, e:]
         return (probs * counts).sum(dim=-1).mean() * (e / (k * s))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,13 +183,14 @@ class MoE(nn.Module):
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=self.cfg.num_experts)
         token = order // self.cfg.top_k
-        routed = self.experts(flat[token], counts)
-        routed = routed * weights.reshape(-1)[order].unsqueeze(-1).to(routed.dtype)
+        # under expert_tp = tp, `routed` and `out` are partial sums over TP (reduced at the block's output)
+        routed = self.experts(self._whole_over_tp(flat)[token], counts)
+        routed = routed * self._whole_over_tp(weights).reshape(-1)[order].unsqueeze(-1).to(routed.dtype)
         out = torch.zeros_like(flat).index_add(0, token, routed)
         if self.shared_experts is not None:
             shared = self.shared_experts(flat)
             if self.shared_gate is not None:
-                shared = torch.sigmoid(self.shared_gate(flat)) * shared
+                shared = self._whole_over_tp(torch.sigmoid(self.shared_gate(flat))) * shared
             out = out + shared
         out = out.view(b, s, h)
         coef = self.cfg.aux_loss_coef

@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-from meshplan.executor.expert_parallel import is_moe_block, moe_tp_plan, shard_experts
+from meshplan.executor.expert_parallel import is_moe_block, moe_tp_plan, shard_experts, shard_experts_over_tp
 from meshplan.executor.model import Transformer, init_value, loss_fn
 from meshplan.planner.model_spec import splits_vocab
 from meshplan.planner.plan import ParallelConfig
@@ -64,11 +64,12 @@ def _gather_sequence() -> PrepareModuleInput:
     return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, expert_tp: bool = False) -> None:
     """Megatron-style TP with DTensor: q/k/v and w1/w3 column-wise, wo and w2 row-wise; vocab-parallel
     embedding and head (the head's logits stay sharded for `vocab_parallel_loss`); with sequence
     parallel the norms run on sequence shards and every block's input and output is a local tensor
-    sharded on the sequence dim (use_local_output=True)."""
+    sharded on the sequence dim (use_local_output=True). MoE feed-forwards: replicated over TP, or with
+    `expert_tp` (plan expert_tp = tp) their experts' width sharded over TP (executor/expert_parallel.py)."""
     tp = tp_mesh.size()
     spec = model.spec
     for what, n in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
@@ -85,7 +86,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
             parallelize_module(model.embedding, tp_mesh, PrepareModuleOutput(
                 output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True))
     for block in model.blocks.values():
-        moe = is_moe_block(block)  # a MoE feed-forward stays replicated over TP (expert_parallel.moe_tp_plan)
+        moe = is_moe_block(block)  # a MoE feed-forward: expert_parallel.moe_tp_plan
         layer_plan: dict = {
             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=seq),
@@ -103,8 +104,10 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
             })
         if moe:
             layer_plan.pop("feed_forward", None)
-            layer_plan.update(moe_tp_plan(sequence_parallel))
+            layer_plan.update(moe_tp_plan(block, sequence_parallel, expert_tp))
         parallelize_module(block, tp_mesh, layer_plan)
+        if moe and expert_tp:
+            shard_experts_over_tp(block.feed_forward, tp_mesh)
     if model.head is not None:
         head_plan: dict = {}
         if sequence_parallel:

@@ -25,7 +25,7 @@ from meshplan.executor.checks import check_supported
 from meshplan.executor.context_parallel import apply_cp, cp_context, shard_sequence
 from meshplan.executor.data import Shard as DataShard
 from meshplan.executor.data import SyntheticData, TokenFile
-from meshplan.executor.expert_parallel import apply_ep, expert_meshes
+from meshplan.executor.expert_parallel import apply_ep, balance_over_cp, expert_meshes
 from meshplan.executor.metrics import Metrics, log, peak_memory_bytes, tensor_bytes, track_cpu_allocations
 from meshplan.executor.model import Transformer
 from meshplan.executor.moe import set_aux_loss_scale
@@ -221,9 +221,10 @@ class Trainer:
         with torch.device("meta"):
             model = Transformer(self.plan.model).keep_layers(*layers)
         if p.tp > 1:
-            apply_tp(model, self.dims.mesh["tp"], p.sequence_parallel)
+            apply_tp(model, self.dims.mesh["tp"], p.sequence_parallel, expert_tp=p.expert_tp > 1)
         if p.cp > 1:  # torchtitan's order: TP -> CP -> EP -> AC -> FSDP
             apply_cp(model, self.dims.mesh["cp"], p.cp_mode, p.seq_len)
+            balance_over_cp(model, self.dims.mesh["cp"])  # MoE: the load-balancing loss over whole sequences
         ep_meshes = expert_meshes(self.dims.mesh, p) if p.ep > 1 else None
         if ep_meshes is not None:
             apply_ep(model, ep_meshes[0])

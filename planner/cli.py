@@ -116,8 +116,9 @@ def main_parser() -> argparse.ArgumentParser:
                         "(Korthikanti et al.; under fused attention it frees only the log-sum-exp); full, "
                         "whole blocks (the planner picks how many per stage)")
     c.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO / FSDP level for data parallelism")
-    c.add_argument("--memory-margin", type=fraction, default=0.1, metavar="F",
-                   help="fraction of device memory kept free for fragmentation and workspace (default: 0.1)")
+    c.add_argument("--memory-margin", type=fraction, default=0.05, metavar="F",
+                   help="share of a GPU's memory, after the CUDA context and NCCL buffers, kept free for the "
+                        "allocator's fragmentation (default: 0.05; the executor runs with expandable segments)")
     o = p.add_argument_group("inputs and outputs")
     o.add_argument("--profile", metavar="PROFILE.json", help="use this profile instead of measuring or presets")
     o.add_argument("--top-k", type=positive_int, default=3, metavar="K", help="runner-up plans to keep (default: 3)")

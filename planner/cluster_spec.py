@@ -38,6 +38,10 @@ class DeviceSpec:
     # how far below one device's rates the slowest of a synchronous group runs (0: identical devices)
     device_spread: float = 0.0
     comm_sms: int = 0  # SMs an overlapped NCCL collective holds (GPUs)
+    # device memory outside PyTorch's allocator (planner/memory_reserve.py): the CUDA context, and NCCL's
+    # buffers per communicator
+    context_bytes: float = 0.0
+    communicator_bytes: float = 0.0
 
     @classmethod
     def from_dict(cls, data: dict, path: str) -> DeviceSpec:
@@ -58,13 +62,17 @@ class DeviceSpec:
                     isinstance(p, list) and len(p) == 2 and all(isinstance(x, (int, float)) and x > 0 for x in p)
                     for p in points):
                 raise InputError(f"{path}.attention_flops.{key}: expected a list of [seq_len, FLOP/s] pairs")
-        return cls(type=f.str("type"), kind=f.str("kind", choices=("cuda", "cpu")),
+        kind = f.str("kind", choices=("cuda", "cpu"))
+        gpu = kind == "cuda"
+        return cls(type=f.str("type"), kind=kind,
                    memory_bytes=f.int("memory_bytes", min=1), peak_flops=peak, efficiency=eff,
                    memory_bandwidth_Bps=f.float("memory_bandwidth_Bps", min=1.0, default=1e12),
                    sm_count=f.int("sm_count", min=0, default=0), memory_efficiency=mem_eff,
                    kernel_launch_s=f.float("kernel_launch_s", min=0.0, default=0.0),
                    device_spread=f.float("device_spread", min=0.0, default=0.0),
                    comm_sms=f.int("comm_sms", min=0, default=0),
+                   context_bytes=f.float("context_bytes", min=0.0, default=CUDA_CONTEXT_BYTES * gpu),
+                   communicator_bytes=f.float("communicator_bytes", min=0.0, default=NCCL_COMMUNICATOR_BYTES * gpu),
                    attention_flops={k: [[float(a), float(b)] for a, b in v] for k, v in table.items()})
 
 
@@ -147,7 +155,14 @@ FA2_GB200_DERIVED = _fa((141, 192, 232, 257, 273, 284), (163, 221, 265, 294, 308
 # - comm_sms: an NCCL all-gather overlapping a GEMM on H100 launched 24 blocks (NVIDIA developer forum,
 #   "Compute-Communication Overlap Causes Severe GEMM Performance Degradation because of Tail Effect",
 #   nsys); taken for every GPU preset.
+# - context_bytes: the CUDA context, "about 400 MB" with CUDA >= 11.7's lazy module loading (ptrblck,
+#   pytorch/pytorch#109888; PR #86509 measured 287,047,680 B lazy, 666,632,192 B eager).
+# - communicator_bytes: NCCL's buffers for one communicator: each channel keeps 4 MiB (Simple), 4.69 MiB
+#   (LL128) and 512 KiB (LL) per connection (NVIDIA/nccl src/init.cc, NCCL_BUFFSIZE defaults); measured on
+#   A100 with NVLink, 544 MB for a 2-GPU group and 688 MB for a 4-GPU group (NVIDIA/nccl#964): the larger.
 LAUNCH_S = 3.5e-6
+CUDA_CONTEXT_BYTES = 400e6
+NCCL_COMMUNICATOR_BYTES = 688e6
 DEVICE_SPREAD = 0.05
 COMM_SMS = 24
 
@@ -156,7 +171,8 @@ def _gpu(name: str, mem: int, peak: dict[str, float], hbm: float, mamf: float, s
          fa: dict[str, list[list[float]]], hbm_share: float) -> DeviceSpec:
     return DeviceSpec(name, "cuda", mem, peak, efficiency=mamf, memory_bandwidth_Bps=hbm, sm_count=sms,
                       memory_efficiency=hbm_share, kernel_launch_s=LAUNCH_S, attention_flops=fa,
-                      device_spread=DEVICE_SPREAD, comm_sms=COMM_SMS)
+                      device_spread=DEVICE_SPREAD, comm_sms=COMM_SMS, context_bytes=CUDA_CONTEXT_BYTES,
+                      communicator_bytes=NCCL_COMMUNICATOR_BYTES)
 
 
 _A100 = {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12}

@@ -36,7 +36,7 @@ class Constraints:
     expert_tp: int | None = None  # the experts' tensor-parallel degree: 1 or tp
     moe_imbalance: float = 1.25  # busiest EP rank's routed rows over the mean (cost_ep.DEFAULT_IMBALANCE)
     dtype: str = "bf16"
-    memory_margin: float = 0.1  # fraction of device memory kept free for fragmentation and workspace
+    memory_margin: float = 0.05  # share kept free for fragmentation, after the reserve (planner/memory_reserve.py)
     top_k: int = 3
 
     def _validate_cp(self, model: ModelSpec) -> None:

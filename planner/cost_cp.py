@@ -206,6 +206,13 @@ class CPTerms(Terms):
             return rec + rec_tp, saving, rec_tp
         return self._get(("rec", b, tp, mode), make)
 
+    def side_comm(self, b: int, tp: int, mode: str) -> dict[str, tuple[float, float]]:
+        """Exposed CP seconds of a block, and of its forward again where recompute replays the exchanges
+        (full; selective under ring, whose recomputed core is ring attention)."""
+        f, g = self.cp_comm(b, tp)
+        again = f if mode == "full" or (mode == "selective" and self.mode == "ring") else 0.0
+        return super().side_comm(b, tp, mode) | {"cp": (f + g, again)}
+
     def hop(self, b: int, tp: int, link: str) -> float:
         """A pipeline boundary carries the rank's b·(s/cp)·h activations."""
         h, sl = self.model.hidden_size, local_seq(self.s, self.cp)
@@ -221,32 +228,12 @@ def cp_terms(base: Terms, cp: int, mode: str, link: str) -> Terms:
     return base._get(("cp terms", cp, mode, link), lambda: CPTerms(base, cp, mode, link))
 
 
-def exposed_cp_seconds(terms: Terms, b: int, tp: int, blocks: int, recomputed: int, recompute: str) -> float:
-    """Exposed CP seconds per micro-batch of `blocks` blocks of which `recomputed` run their forward again."""
-    if not isinstance(terms, CPTerms):
-        return 0.0
-    f, g = terms.cp_comm(b, tp)
-    again = f if recompute == "full" or (recompute == "selective" and terms.mode == "ring") else 0.0
-    return blocks * (f + g) + recomputed * again
-
-
 def add_cp_buffers(ws: Workspace, model: ModelSpec, cand: Candidate, s: int, dtype: str) -> Workspace:
     """The step's transients with CP's buffers (`kv_buffer_bytes`) at the activation peak of every rank."""
     if cand.cp <= 1:
         return ws
     extra = kv_buffer_bytes(model, cand.b, s, cand.tp, cand.cp, cand.cp_mode, dtype)
     return Workspace([x + extra for x in ws.act], ws.emb, ws.opt, ws.per_layer)
-
-
-def exposed_cp_per_iteration(terms: Terms, cand: Candidate, problem, bounds: list[int], recompute: list[int]
-                             ) -> float:
-    """Seconds per iteration the busiest pipeline rank spends in exposed CP communication: its blocks'
-    `exposed_cp_seconds` over the m micro-batches."""
-    per_rank = [0.0] * problem.pp
-    for k, r in enumerate(problem.rank):
-        blocks = sum(1 for kind in problem.kinds[bounds[k]:bounds[k + 1]] if kind == "block")
-        per_rank[r] += exposed_cp_seconds(terms, cand.b, cand.tp, blocks, recompute[k], cand.recompute)
-    return cand.m * max(per_rank)
 
 
 # ---------------------------------------------------------------------------------------------------

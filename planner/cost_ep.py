@@ -7,8 +7,9 @@ token dispatcher). How the MoE layer meets tensor parallelism (expert_tp) follow
 torchtitan: with expert_tp = 1 each TP rank routes its own sequence shard (T/tp tokens) to whole experts;
 with expert_tp = tp the experts' width is split over the TP group as well. Either way a rank's routed rows
 are T·top_k/tp per micro-batch on average, T = b·s/cp its tokens, and the expert FLOPs per rank are
-÷tp (profiler/moe_cost.py). meshplan's own executor runs the MoE replicated over TP with expert_tp = 1
-(executor/expert_parallel.py): its tp ranks repeat the MoE's work, which this model does not charge.
+÷tp (profiler/moe_cost.py). meshplan's own executor (executor/expert_parallel.py) runs expert_tp = tp
+as planned; with expert_tp = 1 it runs the MoE replicated over TP on the whole sequence instead: its tp
+ranks repeat the MoE's work, which this model does not charge.
 
 Terms, per MoE block and micro-batch (a model's "block" is the mean over its dense and sparse blocks, so
 each term is weighted by the sparse fraction):
@@ -63,17 +64,16 @@ def is_moe(model: ModelSpec) -> bool:
     return model.moe is not None
 
 
-def ep_options(model: ModelSpec, dp: int, cp: int, tp: int, ep_pin: int | None, etp_pin: int | None,
-               schedule: str = "1f1b") -> list[tuple[int, int]]:
+def ep_options(model: ModelSpec, dp: int, cp: int, tp: int, ep_pin: int | None, etp_pin: int | None
+               ) -> list[tuple[int, int]]:
     """(ep, expert_tp) pairs the search tries for a mesh: ep a divisor of dp·cp and of the expert count;
     expert_tp 1 or tp (tp must divide the experts' width). A dense model: (1, 1) only (no enumeration, so
-    dense planning speed is unchanged). Zero-bubble schedules keep ep = 1: the executor does not split the
-    all-to-all's backward into input and weight passes (executor/checks.py)."""
+    dense planning speed is unchanged). Every schedule takes any ep: under zero-bubble the input pass runs
+    the all-to-alls' backward."""
     if model.moe is None:
         return [(1, 1)]
     e = model.moe.num_experts
-    eps = [d for d in range(1, dp * cp + 1) if (dp * cp) % d == 0 and e % d == 0
-           and (d == 1 or schedule != "zero-bubble")]
+    eps = [d for d in range(1, dp * cp + 1) if (dp * cp) % d == 0 and e % d == 0]
     etps = [1] + ([tp] if tp > 1 and model.moe.expert_ffn_hidden_size % tp == 0 else [])
     return [(ep, etp) for ep in eps for etp in etps
             if (ep_pin is None or ep == ep_pin) and (etp_pin is None or etp == etp_pin)]
@@ -199,6 +199,14 @@ class _EPMixin:
             rec += self.ep_comm(b, tp)[0] + self.compute_delta(b, tp)[0]
         return rec, saving, rec_tp
 
+    def side_comm(self, b: int, tp: int, mode: str) -> dict[str, tuple[float, float]]:
+        """The mean block's dispatch and combine, and the forward ones again under full recompute."""
+        out = super().side_comm(b, tp, mode)
+        if self.ep > 1:
+            f, g = self.ep_comm(b, tp)
+            out["ep"] = (f + g, f if mode == "full" else 0.0)
+        return out
+
     def per_layer(self, tp: int, dp: int, zero: int, link: str, sync: GradSync = GradSync(False, 1)
                   ) -> tuple[list, list, list, list]:
         """`dp` = dp·cp. A MoE block: experts ÷ (ep·expert_tp), ZeRO and gradient sync over dp·cp/ep; the
@@ -256,18 +264,3 @@ def add_ep_buffers(ws: Workspace, model: ModelSpec, cand: Candidate, s: int, dty
         return ws
     extra = token_buffer_bytes(model, local_tokens(cand.b, s, cand.cp), cand.tp, cand.ep, dtype, imbalance)
     return Workspace([x + extra for x in ws.act], ws.emb, ws.opt, ws.per_layer)
-
-
-def exposed_ep_per_iteration(terms: Terms, cand: Candidate, problem, bounds: list[int], recompute: list[int]
-                             ) -> float:
-    """Seconds per iteration the busiest pipeline rank spends in EP all-to-alls: its blocks' forward and
-    backward all-to-alls (and the replayed forward ones of fully recomputed blocks) over m micro-batches."""
-    if not isinstance(terms, _EPMixin) or cand.ep <= 1:
-        return 0.0
-    f, g = terms.ep_comm(cand.b, cand.tp)
-    per_rank = [0.0] * problem.pp
-    for k, r in enumerate(problem.rank):
-        blocks = sum(1 for kind in problem.kinds[bounds[k]:bounds[k + 1]] if kind == "block")
-        again = recompute[k] if cand.recompute == "full" else 0
-        per_rank[r] += blocks * (f + g) + again * f
-    return cand.m * max(per_rank)

@@ -696,6 +696,12 @@ class Terms:
             return rec, a - activation_bytes(self.profile, "block", b, self.s, tp, mode, tp > 1), rec_tp
         return self._get(("rec", b, tp, mode), make)
 
+    def side_comm(self, b: int, tp: int, mode: str) -> dict[str, tuple[float, float]]:
+        """{term: (seconds per block, seconds again per recomputed block)} per micro-batch of the
+        communication other than tensor parallelism that `kind` counts in a block's communication value
+        (context and expert parallel: CPTerms, planner/cost_ep.py), so that reports can tell them apart."""
+        return {}
+
     def hop(self, b: int, tp: int, link: str) -> float:
         h = self.model.hidden_size
         return self._get(("hop", b, tp, link),

@@ -53,19 +53,19 @@ def cp_choice_notes(search, plan: Plan) -> list[str]:
     Empty when only one degree was enumerated."""
     per: dict[int, list] = {}
     for bound, memory, cand in search.bounds_seen:
-        per.setdefault(cand.cp, []).append((bound, memory))
+        per.setdefault(cand.cp, []).append((bound, memory, search.limit(cand)))
     if len(per) <= 1:
         return []
-    chosen, limit = plan.parallel.cp, search.mem_limit
+    chosen = plan.parallel.cp
     parts = []
     for cp in sorted(per):
         rows = per[cp]
-        fits = [b for b, m in rows if m <= limit * (1 + 1e-9)]
+        fits = [b for b, m, limit in rows if m <= limit * (1 + 1e-9)]
         if cp == chosen:
             parts.append(f"cp={cp}: chosen, {_secs(plan.predicted.iteration_time_s)}")
         elif fits:
             parts.append(f"cp={cp}: >= {_secs(min(fits))}")
         else:
-            need = min(m for _, m in rows)
-            parts.append(f"cp={cp}: none fits (least {human_bytes(need)} > {human_bytes(limit)} usable)")
+            _, need, usable = min(rows, key=lambda row: row[1] - row[2])
+            parts.append(f"cp={cp}: none fits (least {human_bytes(need)} > {human_bytes(usable)} usable)")
     return ["context parallelism weighed (" + "; ".join(parts) + ")"]

@@ -13,8 +13,12 @@ Names checked against each project (search, December 2026):
 - torchtitan (torchtitan/config/job_config.py `Parallelism`): `expert_parallel_degree`,
   `expert_tensor_parallel_degree`; with etp = 1 its EP group spans cp·tp ranks (ep % (cp·tp) == 0), with
   etp = tp it needs ep % cp == 0. Experts, top-k and the router come from the model flavour, not the job.
-- DeepSpeed: `deepspeed.moe.layer.MoE(hidden_size, expert, num_experts, ep_size, k, capacity_factor, ...,
-  drop_tokens, enable_expert_tensor_parallelism)` in model code; its config JSON has no MoE section.
+- DeepSpeed (deepspeed/moe/layer.py at v0.19.6, edaa722): `MoE(hidden_size, expert, num_experts=1, ep_size=1,
+  k=1, capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=4, use_residual=False,
+  noisy_gate_policy=None, drop_tokens=True, use_rts=True, use_tutel=False,
+  enable_expert_tensor_parallelism=False, top2_2nd_expert_sampling=True)` in model code; its config JSON has
+  no MoE section. k > 2 goes to `topkgating` (sharded_moe.py, PR #5881, August 2024), which takes none of
+  noisy_gate_policy, use_rts or top2_2nd_expert_sampling.
 """
 
 from __future__ import annotations
@@ -108,8 +112,8 @@ def deepspeed_moe_note(plan: Plan, warn: Callable[[str], None]) -> None:
          f"deepspeed.moe.layer.MoE(hidden_size={plan.model.hidden_size}, expert=<the expert MLP>, "
          f"num_experts={moe.num_experts}, ep_size={p.ep}, k={moe.top_k}, {capacity}{tp})")
     if moe.top_k > 2:
-        warn(f"top-{moe.top_k} routing: DeepSpeed's top1/top2 gates cover k <= 2; larger k needs its top-k gate "
-             "(recent versions)")
+        warn(f"top-{moe.top_k} routing: DeepSpeed's gate routes k > 2 through topkgating only since PR #5881 "
+             "(August 2024), without noisy_gate_policy or use_rts")
     if moe.num_shared_experts:
         warn("shared experts: DeepSpeed's use_residual (PR-MoE) mixes a dense MLP with a learned coefficient, not "
              "Qwen-style shared experts")

@@ -23,25 +23,26 @@ def bottleneck_rank(problem: StageProblem, ev: Evaluation) -> int:
 
 
 def exposed_communication(cand: Candidate, problem: StageProblem, ev: Evaluation, bounds: list[int],
-                          recompute: list[int], terms: Terms, extra: dict[str, float] | None = None
-                          ) -> dict[str, float]:
-    """Seconds per iteration of each communication term on the critical path. `extra`: per-micro-batch
-    seconds of other terms already inside the stages' communication on the bottleneck rank (cp, ep), kept
-    apart from the ZeRO-3 remainder."""
+                          recompute: list[int], terms: Terms) -> dict[str, float]:
+    """Seconds per iteration of each communication term on the critical path. The CP and EP seconds
+    that `terms` count in a block's communication value (`Terms.side_comm`) are their own terms."""
     r = bottleneck_rank(problem, ev)
-    stages = rank_of_stages(problem)[r]
+    side = terms.side_comm(cand.b, cand.tp, cand.recompute)
     rec_tp = terms.recompute(cand.b, cand.tp, cand.recompute)[2] if cand.recompute != "none" else 0.0
     tp = pp = comm = dp = 0.0
-    for s in stages:
+    other = dict.fromkeys(side, 0.0)
+    for s in rank_of_stages(problem)[r]:
         layers = range(bounds[s], bounds[s + 1])
+        blocks = sum(1 for i in layers if problem.kinds[i] == "block")
         tp += sum(terms.kind(problem.kinds[i], cand.b, cand.tp, cand.schedule)[2] for i in layers)
         tp += recompute[s] * rec_tp
+        for name, (run, again) in side.items():
+            other[name] += blocks * run + recompute[s] * again
+            tp -= blocks * run
         pp += problem.boundary[s] - (problem.boundary_relief[s] if problem.boundary_relief else 0.0)
         comm += ev.stages[s].communication
         dp += ev.stages[s].dp_sync
-    extra = extra or {}
-    other = sum(extra.values())
-    out = {"tp": cand.m * tp, "pp": cand.m * pp, "dp": dp,
-           "fsdp_gather": cand.m * max(0.0, comm - tp - pp - other)}
-    out.update({k: cand.m * v for k, v in extra.items()})
-    return out
+    gather = comm - tp - pp - sum(other.values())
+    out = {"tp": cand.m * max(tp, 0.0), "pp": cand.m * pp, "dp": dp,
+           "fsdp_gather": cand.m * gather if gather > 1e-9 * comm else 0.0}  # not the sums' rounding
+    return out | {name: cand.m * v for name, v in other.items()}

@@ -25,8 +25,12 @@ from dataclasses import replace
 import pulp
 from meshplan.planner.cost_model import Evaluation, StageProblem, evaluate, min_recomputed_blocks, rank_of_stages
 
-GiB = float(1 << 30)
-MS = 1e3  # times are scaled to milliseconds, bytes to GiB, to keep the solver's tolerances meaningful
+# Times are scaled to milliseconds and bytes to MiB to keep the solvers' tolerances meaningful: a MIP's
+# feasibility tolerance (1e-6 in HiGHS and CBC) is then a byte, where in GiB it was a kilobyte, enough to
+# accept a partition that `evaluate` rejects. Memory rows keep MEM_SLACK (about 100 bytes) inside the limit.
+MiB = float(1 << 20)
+MS = 1e3
+MEM_SLACK = 1e-4
 
 
 def solver_name() -> str:
@@ -159,28 +163,28 @@ def _rank_rows(prob: pulp.LpProblem, P: StageProblem, rank_expr, min_memory: boo
         prob += tau >= time, f"tau_{r}"
         prob += tail >= pc["opt"] + pc["dp"] - pc["bwd"], f"tail_overlap_{r}"
         prob += tail >= pc["opt"] + P.unhidden * pc["dp"], f"tail_bucket_{r}"
-        base = pc["state"] + P.fixed[r] / GiB  # cost_model.peak_memory: one row per transient moment
-        moments = {"act": P.inflight[r] * pc["act"] + P.ws.act[r] / GiB - P.grads_idle[r] * pc["state"],
-                   "emb": max(P.inflight[r] - 1.0, 0.0) * pc["act"] + P.ws.emb[r] / GiB,
-                   "opt": pc["opt_ws"] + P.ws.opt[r] / GiB}
+        base = pc["state"] + P.fixed[r] / MiB  # cost_model.peak_memory: one row per transient moment
+        moments = {"act": P.inflight[r] * pc["act"] + P.ws.act[r] / MiB - P.grads_idle[r] * pc["state"],
+                   "emb": max(P.inflight[r] - 1.0, 0.0) * pc["act"] + P.ws.emb[r] / MiB,
+                   "opt": pc["opt_ws"] + P.ws.opt[r] / MiB}
         for name, extra in moments.items():
             if min_memory:
-                prob += base + extra <= P.mem_limit / GiB + excess, f"mem_{name}_{r}"
+                prob += base + extra <= P.mem_limit / MiB - MEM_SLACK + excess, f"mem_{name}_{r}"
             elif math.isfinite(P.mem_limit):
-                prob += base + extra <= P.mem_limit / GiB, f"mem_{name}_{r}"
+                prob += base + extra <= P.mem_limit / MiB - MEM_SLACK, f"mem_{name}_{r}"
     prob += excess if min_memory else P.weight * tau + tail
 
 
 def _pieces(P: StageProblem, layer_sum, rec, boundary: float) -> dict:
-    """Linear pieces (ms, GiB) given layer_sum(coeffs) = Σ_l coeff_l · [l is counted]."""
+    """Linear pieces (ms, MiB) given layer_sum(coeffs) = Σ_l coeff_l · [l is counted]."""
     return {
         "time": layer_sum([t * MS for t in P.time]) + P.rec_time * MS * rec + boundary * MS,
         "fwd": layer_sum([f * MS for f in P.fwd]), "bwd": layer_sum([b * MS for b in P.bwd]),
         "gather": layer_sum([g * MS for g in P.gather]),
         "dp": layer_sum([d * MS for d in P.dp]), "opt": layer_sum([o * MS for o in P.opt]),
-        "state": layer_sum([x / GiB for x in P.state]),
-        "opt_ws": layer_sum([x / GiB for x in P.ws.per_layer]),
-        "act": layer_sum([a / GiB for a in P.act]) - (P.rec_saving / GiB) * rec,
+        "state": layer_sum([x / MiB for x in P.state]),
+        "opt_ws": layer_sum([x / MiB for x in P.ws.per_layer]),
+        "act": layer_sum([a / MiB for a in P.act]) - (P.rec_saving / MiB) * rec,
     }
 
 

@@ -43,7 +43,9 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
                         num_kv_heads=8, ffn_hidden_size=8192, max_seq_len=131072, rope_theta=500000.0,
                         tied_embeddings=True),
     # Mixture of experts, from the HF config.json of mistralai/Mixtral-8x7B-v0.1 (46,702,792,704
-    # parameters), mistralai/Mixtral-8x22B-Instruct-v0.1 (vocabulary 32768) and Qwen/Qwen3-30B-A3B
+    # parameters), mistralai/Mixtral-8x22B-Instruct-v0.1 (vocabulary 32768, 64K positions, rope 1e6; the base
+    # v0.1 has 32000: mistral-inference's README calls v0.3 "the same as Mixtral-8x22B-v0.1, but has an
+    # extended vocabulary of 32768 tokens"; 141B, 39B active: mistral.ai/news/mixtral-8x22b) and Qwen/Qwen3-30B-A3B
     # (30,532,122,624; q/k RMSNorm per head, 128 experts of 768, top 8, renormalised).
     "mixtral-8x7b": dict(_LLAMA, vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                          ffn_hidden_size=14336, max_seq_len=32768, rope_theta=1e6,

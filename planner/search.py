@@ -22,8 +22,8 @@ from typing import NamedTuple
 
 from meshplan.planner.cluster_spec import ClusterSpec
 from meshplan.planner.constraints import Constraints
-from meshplan.planner.cost_cp import cp_modes, cp_pp_pairs, cp_terms, exposed_cp_per_iteration
-from meshplan.planner.cost_ep import ep_options, ep_terms, exposed_ep_per_iteration, links_with_ep
+from meshplan.planner.cost_cp import cp_modes, cp_pp_pairs, cp_terms
+from meshplan.planner.cost_ep import ep_options, ep_terms, links_with_ep
 from meshplan.planner.cost_model import (
     Candidate,
     Evaluation,
@@ -54,6 +54,7 @@ from meshplan.planner.cost_model import (
 from meshplan.planner.errors import InfeasibleError, InputError
 from meshplan.planner.exposed import exposed_communication
 from meshplan.planner.ilp import PartitionSolver, Solution
+from meshplan.planner.memory_reserve import Reserve, reserve, usable_bytes
 from meshplan.planner.model_spec import ModelSpec
 from meshplan.planner.placement import Placer, allowed_cuts, model_graph
 from meshplan.planner.plan import (
@@ -155,7 +156,7 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints,
                         for mode, pinned in modes:
                             for order in placer.orders(pp, dp, tp, cp):
                                 for cp_mode in cp_modes(model, cluster, c, tp, cp):
-                                    for ep, etp in ep_options(model, dp, cp, tp, c.ep, c.expert_tp, schedule):
+                                    for ep, etp in ep_options(model, dp, cp, tp, c.ep, c.expert_tp):
                                         yield Candidate(dp=dp, tp=tp, pp=pp, v=v, schedule=schedule, b=b, m=m,
                                                         zero=zero, recompute=mode, recompute_pinned=pinned,
                                                         order=order, cp=cp, cp_mode=cp_mode, ep=ep, expert_tp=etp)
@@ -212,7 +213,7 @@ class Search:
                  solver: str | None = None, force_assignment: bool = False):
         self.model, self.cluster, self.c, self.profile = model, cluster, constraints, profile
         self.seq = constraints.effective_seq_len(model)
-        self.mem_limit = cluster.device.memory_bytes * (1 - constraints.memory_margin)
+        self.mem_limit = cluster.device.memory_bytes * (1 - constraints.memory_margin)  # before the reserve
         self.placer = Placer(cluster)
         self.cuts = allowed_cuts(model_graph(model))
         self.terms = Terms(model, profile, self.seq, constraints.dtype)
@@ -233,12 +234,20 @@ class Search:
         terms = self.terms if cand.cp == 1 else cp_terms(self.terms, cand.cp, cand.cp_mode, self.links(cand).cp)
         return ep_terms(terms, cand, self.links(cand).ep, self.c.moe_imbalance)
 
+    def reserve(self, cand: Candidate) -> Reserve:
+        """Device memory outside the allocator on a rank of this candidate (planner/memory_reserve.py)."""
+        return reserve(self.cluster.device, cand.tp, cand.pp, cand.dp, cand.cp, cand.ep)
+
+    def limit(self, cand: Candidate) -> float:
+        """Bytes the allocator may use on a rank of this candidate: capacity less reserve and margin."""
+        return usable_bytes(self.cluster.device.memory_bytes, self.c.memory_margin, self.reserve(cand))
+
     def links(self, cand: Candidate) -> Links:
         return links_with_ep(self.placer, cand, self.placer.links(cand.pp, cand.dp, cand.tp, cand.order, cand.cp))
 
     def problem(self, cand: Candidate) -> StageProblem:
         links = self.links(cand)
-        return build_problem(self.model, self.profile, cand, self.seq, self.c.dtype, links, self.mem_limit,
+        return build_problem(self.model, self.profile, cand, self.seq, self.c.dtype, links, self.limit(cand),
                              self.cuts, self.terms)
 
     def bounds(self, cand: Candidate) -> tuple[float, float]:
@@ -282,7 +291,8 @@ class Search:
         inflight = self._inflight(cand.schedule, pp, cand.v, cand.m)
         fixed = fixed_bytes(pp, rank, q.tied / tp * sum(agg["state_bytes"]),
                             agg["workspace"] if cand.zero >= 3 and dp > 1 else 0.0)
-        left = [self.mem_limit - f for f in fixed]
+        limit = self.limit(cand)
+        left = [limit - f for f in fixed]
         kept = state_kept(grads_idle(agg["state_bytes"], cand.m, inflight))
         block_state = agg["block_state_min"] * kept
         for i, params_state, kind in agg["ends"]:
@@ -291,7 +301,7 @@ class Search:
         blocks = q.counts.get("block", 0)
         act_blk = rows["block"][3] if blocks else 0.0
         if min(left) < 0:
-            ratio = 2.0 + max(-x for x in left) / self.mem_limit
+            ratio = 2.0 + max(-x for x in left) / limit
         elif not blocks:
             ratio = 0.0
         else:
@@ -382,7 +392,7 @@ class Search:
         k = min(problem.inflight)
         need = sum(problem.fixed) + sum(problem.state) + sum(
             (problem.act[i] - (saving if kind == "block" else 0.0)) * k for i, kind in enumerate(problem.kinds))
-        return need / (problem.pp * self.mem_limit)
+        return need / (problem.pp * problem.mem_limit)
 
     def _layer_sums(self, tp: int, dp: int, zero: int, link: str, sync: GradSync, terms: Terms | None = None
                     ) -> dict:
@@ -447,7 +457,7 @@ class Search:
             self.considered += 1
             parts = self._bounds(cand)
             reported = self._reported(cand, parts)
-            self.bounds_seen.append((reported, parts.ratio * self.mem_limit, cand))
+            self.bounds_seen.append((reported, parts.ratio * self.limit(cand), cand))
             if parts.ratio > 1.0:
                 self.memory_pruned.append((None, index, cand))
                 continue
@@ -670,11 +680,10 @@ def describe(cand: Candidate) -> str:
 
 def infeasible_message(search: Search) -> str:
     """Exit 3: the nearest candidate, by how much it exceeds memory where, and what would make it fit."""
-    usable = search.mem_limit
     near = search.nearest()
     c, dev = search.c, search.cluster.device
     state = sum(layer.params for layer in search.model.layers) * 16.0
-    need_devices = int(-(-state // usable))
+    need_devices = int(-(-state // search.mem_limit))
     hints = []
     if c.zero is not None and c.zero < 3:
         hints.append("--zero 3 (shard parameters, gradients and optimizer over dp)")
@@ -685,7 +694,7 @@ def infeasible_message(search: Search) -> str:
     for flag, value in (("--tp", c.tp), ("--pp", c.pp), ("--dp", c.dp)):
         if value is not None:
             hints.append(f"dropping {flag} {value}")
-    if c.memory_margin > 0.05:
+    if c.memory_margin > 0.01:
         hints.append(f"a smaller --memory-margin than {c.memory_margin}")
     hints.append(f"more devices (model state alone is {human_bytes(state)} at 16 B/param: at least "
                  f"{need_devices} devices of {human_bytes(dev.memory_bytes)} with ZeRO-3)")
@@ -699,11 +708,13 @@ def infeasible_message(search: Search) -> str:
     ev = evaluate(problem, sol.bounds, sol.recompute)
     worst = max(range(len(ev.rank_memory)), key=lambda r: ev.rank_memory[r])
     stages = [s for s, r in enumerate(problem.rank) if r == worst]
+    usable, res = problem.mem_limit, search.reserve(cand)
     over = ev.rank_memory[worst] - usable
     need, limit = human_bytes(ev.rank_memory[worst]), human_bytes(dev.memory_bytes)
+    held = f" less {human_bytes(res.total)} for the {res.describe()}," if res.total else ","
     return (f"no plan fits in memory: the nearest ({describe(cand)}) needs {need} on "
             f"pipeline rank {worst} (stage {', '.join(map(str, stages))}), {human_bytes(over)} ({int(over)} bytes) "
-            f"over the {human_bytes(usable)} usable per device ({limit} less the {c.memory_margin:.0%} "
+            f"over the {human_bytes(usable)} usable per device ({limit}{held} less the {c.memory_margin:.0%} "
             f"margin){fit}")
 
 
@@ -718,14 +729,6 @@ def _predicted(search: Search, scored: Scored, ev: Evaluation) -> Predicted:
     bubble = scored.problem.bubble
     exposed = exposed_communication(cand, scored.problem, ev, scored.solution.bounds, scored.solution.recompute,
                                     search.terms_for(cand))
-    if cand.cp > 1:  # the busiest rank's exposed CP seconds per iteration (planner/cost_cp.py)
-        exposed["cp"] = exposed_cp_per_iteration(search.terms_for(cand), cand, scored.problem,
-                                                 scored.solution.bounds, scored.solution.recompute)
-        exposed["tp"] = max(0.0, exposed["tp"] - exposed["cp"])  # CPTerms count CP with the layer's comm
-    if cand.ep > 1:  # the busiest rank's EP all-to-alls per iteration (planner/cost_ep.py)
-        exposed["ep"] = exposed_ep_per_iteration(search.terms_for(cand), cand, scored.problem,
-                                                 scored.solution.bounds, scored.solution.recompute)
-        exposed["tp"] = max(0.0, exposed["tp"] - exposed["ep"])  # EP terms count it with the layer's comm
     return Predicted(
         iteration_time_s=seconds, tokens_per_s=tokens / seconds,
         bubble_fraction=bubble / (scored.problem.m + bubble), peak_memory_bytes=max(ev.rank_memory),

@@ -28,6 +28,20 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 CORRECTION_TERMS = ("compute", "tp_comm", "pp_comm", "dp_comm", "optimizer")
 
 
+# NCCL's tree all-reduce (double binary trees over the nodes, NCCL >= 2.4): 2·log2(nodes) network steps,
+# and the algorithm bandwidth half the bus bandwidth, times 0.92 (NVIDIA/nccl src/graph/tuning.cc, v2.30.7,
+# lines 331 and 378-380, 416). NCCL times both algorithms for every size and runs the faster (sjeaugey,
+# NVIDIA/nccl#457): the ring's 2(n-1) steps make it slow for small payloads over many nodes, where the tree
+# wins, and the ring moves fewer bytes per rank for large ones. Reduce-scatter and all-gather run no tree.
+TREE_BW_SHARE = 0.92
+
+
+def tree_all_reduce_time(alpha_s: float, beta_s_per_byte: float, nbytes: float, nodes: int) -> float:
+    """Seconds of a tree all-reduce of `nbytes` over `nodes` nodes: 2·log2(nodes) steps up and down, each
+    rank sending and receiving 2·M at the tree's share of the bus bandwidth."""
+    return alpha_s * 2.0 * math.log2(max(nodes, 2)) + beta_s_per_byte * 2.0 * nbytes / TREE_BW_SHARE
+
+
 def collective_factors(op: str, n: int) -> tuple[float, float]:
     """(latency steps, bytes factor) of ring algorithms for a message of M bytes over n ranks
     (Thakur et al. 2005; NCCL's bus-bandwidth convention): all-reduce 2(n-1) steps moving 2(n-1)/n·M,
@@ -396,15 +410,23 @@ class Profile:
         link_class, _, local = link_class.partition("/")
         if local and int(local) > 1 and n > int(local):
             g = int(local)
-            inside = self.collective_time(op, nbytes, n, "intra_node")
-            return max(inside, self.collective_time(op, nbytes / g, n, link_class))
+            inside = self._flat_time(op, nbytes, n, "intra_node", n)
+            return max(inside, self._flat_time(op, nbytes / g, n, link_class, n // g))
+        return self._flat_time(op, nbytes, n, link_class, n)
+
+    def _flat_time(self, op: str, nbytes: float, n: int, link_class: str, nodes: int) -> float:
+        """One collective over n ranks on one class of link; across nodes an all-reduce takes the faster of
+        NCCL's ring and its tree over `nodes` (`tree_all_reduce_time`)."""
         steps, factor = collective_factors(op, n)
         if steps == 0.0:
             return 0.0
         fits = self.links.get(link_class) or (link_class == "inter_leaf" and self.links.get("inter_node")) \
             or self.links["intra_node"]
         fit = fits.get(op) or fits["all_reduce"]
-        return fit.collective_time(op, nbytes, steps, factor)
+        ring = fit.collective_time(op, nbytes, steps, factor)
+        if op != "all_reduce" or link_class == "intra_node" or fit.busbw_curve or nodes <= 2:
+            return ring
+        return min(ring, tree_all_reduce_time(fit.alpha_s, fit.beta_s_per_byte, nbytes, nodes))
 
     def wrapper(self, zero: int) -> WrapperSample | None:
         """The in-situ sample of the engine the executor uses at this ZeRO level (smallest micro-batch)."""

@@ -71,13 +71,16 @@ class Roofline:
         table = f.obj("attention_flops").data
         if not isinstance(table, dict) or not table:
             raise InputError(f"{path}.attention_flops: expected an object of [seq_len, FLOP/s] lists")
+        pace = f.float("pace", min=0.0, default=1.0)
+        if not 0.0 < pace <= 1.0:
+            raise f.fail("pace", "a number in (0, 1]", pace)
         return cls(f.float("peak_flops", min=1.0), f.float("gemm_fraction", min=0.0), f.int("sm_count", min=1),
                    f.float("hbm_Bps", min=1.0), f.float("hbm_fraction", min=0.0),
                    {k: [[float(a), float(b)] for a, b in v] for k, v in table.items()}, f.float("launch_s", min=0.0),
                    f.str("attention", choices=ATTENTION, default="flash"),
                    f.str("activations", choices=ACTIVATIONS, default="gathered"),
                    f.bool("grad_overlap", default=True), f.bool("sequence_parallel", default=True),
-                   f.int("dtype_bytes", min=1, default=2), f.float("pace", min=0.0, default=1.0) or 1.0,
+                   f.int("dtype_bytes", min=1, default=2), pace,
                    f.int("comm_sms", min=0, default=0))
 
     # ---- primitives ----

@@ -88,7 +88,6 @@ def test_ep_options():
     got = ep_options(MIXTRAL, 16, 1, 2, None, None)
     assert {ep for ep, _ in got} == {1, 2, 4, 8} and {etp for _, etp in got} == {1, 2}
     assert ep_options(MIXTRAL, 16, 1, 2, 8, 1) == [(8, 1)]
-    assert {ep for ep, _ in ep_options(MIXTRAL, 16, 1, 1, None, None, "zero-bubble")} == {1}
 
 
 def test_ep_link_by_placement():

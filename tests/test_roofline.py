@@ -1,6 +1,7 @@
 """The per-operation preset model and the topology against hand calculations from their sources."""
 
 import math
+from dataclasses import asdict
 
 import pytest
 from meshplan.planner.cluster_spec import parse_cluster
@@ -167,3 +168,38 @@ def test_members_per_domain_and_overlap_tax():
     # an overlapped collective holds 24 of an H100's 132 SMs while it runs
     profile = preset_profile(builtin_model("tiny"), parse_cluster("8xh100-80gb"), "bf16")
     assert overlap_tax(profile) == pytest.approx(24 / 132)
+
+
+def test_roofline_round_trip_and_pace_bounds():
+    """A profile's roofline reloads unchanged; a pace outside (0, 1] is one error naming the field."""
+    from meshplan.planner.errors import InputError
+    from meshplan.profiler.roofline import Roofline
+
+    rl = device_roofline(parse_cluster("16x8xh100-80gb"), "bf16")
+    assert Roofline.from_dict(asdict(rl), "r") == rl
+    for bad in (0.0, 1.5):
+        with pytest.raises(InputError, match=r"r\.pace: expected a number in \(0, 1\]"):
+            Roofline.from_dict({**asdict(rl), "pace": bad}, "r")
+
+
+def test_all_reduce_across_nodes_takes_the_faster_of_ring_and_tree():
+    """NCCL's choice (src/graph/tuning.cc): over 128 nodes a 1 MiB all-reduce runs as a tree,
+    2·log2(128) = 14 steps against the ring's 254; a 1 GiB one as a ring, which moves 2(n-1)/n·M per rank
+    against the tree's 2·M/0.92. By hand from the NDR link (4 us per step, 47 GB/s busbw)."""
+    from meshplan.profiler.profile import TREE_BW_SHARE
+
+    cluster = parse_cluster("128x8xh100-80gb")
+    profile = preset_profile(builtin_model("llama3-8b"), cluster, "bf16")
+    alpha, bw = cluster.inter_node.latency_s, cluster.inter_node.bus_Bps
+    n = 128
+    small, large = 2.0**20, 2.0**30
+    ring = lambda m: 2 * (n - 1) * alpha + 2 * (n - 1) / n * m / bw  # noqa: E731
+    tree = lambda m: 14 * alpha + 2 * m / (TREE_BW_SHARE * bw)  # noqa: E731
+    assert tree(small) < ring(small) and ring(large) < tree(large)
+    assert profile.collective_time("all_reduce", small, n, "inter_node") == pytest.approx(tree(small))
+    assert profile.collective_time("all_reduce", large, n, "inter_node") == pytest.approx(ring(large))
+    # hierarchical: 8 members per node reduce inside first, the tree spans the 16 nodes
+    hier = profile.collective_time("all_reduce", small, n, "inter_node/8")
+    assert hier >= 8 * alpha + 2 * small / 8 / (TREE_BW_SHARE * bw) - 1e-12
+    assert profile.collective_time("reduce_scatter", small, n, "inter_node") == pytest.approx(
+        (n - 1) * alpha + (n - 1) / n * small / bw)

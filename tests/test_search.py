@@ -9,6 +9,7 @@ from meshplan.planner.cli import main
 from meshplan.planner.constraints import Constraints
 from meshplan.planner.cost_model import evaluate, lower_bound, memory_lower_bound
 from meshplan.planner.errors import InfeasibleError
+from meshplan.planner.memory_reserve import reserve, usable_bytes
 from meshplan.planner.model_sources import builtin_model
 from meshplan.planner.placement import Placer, allowed_cuts, model_graph
 from meshplan.planner.plan import Plan
@@ -71,7 +72,9 @@ def test_search_equals_brute_force(memory_bytes, cluster, blocks, pins):
                    * (1 + 1e-9) for _, P, _, sol, _ in rows)
     plan = find_plan(model, cl, constraints, profile)
     assert plan.predicted.iteration_time_s == pytest.approx(times[0], rel=1e-12)
-    assert plan.predicted.peak_memory_bytes <= memory_bytes * (1 - constraints.memory_margin) * (1 + 1e-9)
+    p = plan.parallel
+    limit = usable_bytes(memory_bytes, constraints.memory_margin, reserve(cl.device, p.tp, p.pp, p.dp))
+    assert plan.predicted.peak_memory_bytes <= limit * (1 + 1e-9)
     Plan.from_dict(json.loads(plan.to_json()))
 
 
