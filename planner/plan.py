@@ -142,13 +142,17 @@ class Predicted:
     # Seconds per iteration that each communication term adds to the critical path (not hidden behind
     # compute), keyed by term: "tp", "pp", "dp", "fsdp_gather", "cp", "ep".
     exposed_communication_s: dict[str, float] = field(default_factory=dict)
+    # What a device's allocator may use: its memory less the CUDA context, NCCL's buffers and the margin
+    # (planner/memory_reserve.py); 0: not recorded (plans written before it)
+    usable_memory_bytes: float = 0.0
 
     @classmethod
     def from_dict(cls, data: dict, path: str) -> Predicted:
         f = Fields(data, path)
         return cls(**{k: f.float(k, min=0.0) for k in
                       ("iteration_time_s", "tokens_per_s", "bubble_fraction", "peak_memory_bytes", "mfu")},
-                   exposed_communication_s=f.number_map("exposed_communication_s", default={}))
+                   exposed_communication_s=f.number_map("exposed_communication_s", default={}),
+                   usable_memory_bytes=f.float("usable_memory_bytes", min=0.0, default=0.0))
 
 
 @dataclass

@@ -56,7 +56,9 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     console.print(
         f"predicted: iteration {pred.iteration_time_s * 1e3:.1f} ms, {pred.tokens_per_s:,.0f} tokens/s, "
         f"bubble {pred.bubble_fraction:.1%},\n  peak memory {human_bytes(pred.peak_memory_bytes)} of "
-        f"{human_bytes(plan.cluster.device.memory_bytes)}, MFU {pred.mfu:.1%}"
+        + (f"{human_bytes(pred.usable_memory_bytes)} usable ({human_bytes(plan.cluster.device.memory_bytes)} "
+           "device)" if pred.usable_memory_bytes else human_bytes(plan.cluster.device.memory_bytes))
+        + f", MFU {pred.mfu:.1%}"
     )
     for line in exposed_lines(pred.exposed_communication_s, pred.iteration_time_s):
         console.print(line)

@@ -732,7 +732,7 @@ def _predicted(search: Search, scored: Scored, ev: Evaluation) -> Predicted:
     return Predicted(
         iteration_time_s=seconds, tokens_per_s=tokens / seconds,
         bubble_fraction=bubble / (scored.problem.m + bubble), peak_memory_bytes=max(ev.rank_memory),
-        mfu=flops / (seconds * peak), exposed_communication_s=exposed)
+        mfu=flops / (seconds * peak), exposed_communication_s=exposed, usable_memory_bytes=search.limit(cand))
 
 
 def _parallel(search: Search, scored: Scored) -> ParallelConfig:

@@ -108,7 +108,8 @@ def summary(plan: Plan, timeline: Timeline | None, width: int) -> list:
              f"MFU {pred.mfu:.1%}, bubble {pred.bubble_fraction:.1%}"
              + (f" (timeline below: {timeline.bubble_fraction:.1%})" if timeline else "")
              + f", peak memory {human_bytes(pred.peak_memory_bytes)} of {human_bytes(cap)} "
-             f"({pred.peak_memory_bytes / cap:.0%})"),
+             f"({pred.peak_memory_bytes / cap:.0%}"
+             + (f"; {human_bytes(pred.usable_memory_bytes)} usable" if pred.usable_memory_bytes else "") + ")"),
         *exposed_lines(pred.exposed_communication_s, pred.iteration_time_s),
         *[Text(line) for line in cp_lines(plan)],
         Text(""),

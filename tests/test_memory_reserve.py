@@ -1,11 +1,14 @@
 """The device memory outside the allocator (planner/memory_reserve.py) and how the search applies it."""
 
+import json
+
 import pytest
 from meshplan.planner.cluster_spec import parse_cluster
 from meshplan.planner.constraints import Constraints
 from meshplan.planner.errors import InfeasibleError
 from meshplan.planner.memory_reserve import communicators, reserve, usable_bytes
 from meshplan.planner.model_sources import builtin_model
+from meshplan.planner.plan import Plan
 from meshplan.planner.search import find_plan
 from meshplan.profiler.presets import preset_profile
 
@@ -40,6 +43,11 @@ def test_plans_fit_under_the_reserve_and_the_message_names_it():
     p = plan.parallel
     limit = usable_bytes(cluster.device.memory_bytes, c.memory_margin, reserve(cluster.device, p.tp, p.pp, p.dp))
     assert plan.predicted.peak_memory_bytes <= limit * (1 + 1e-9)
+    assert plan.predicted.usable_memory_bytes == pytest.approx(limit)  # recorded in the plan JSON
+    data = json.loads(plan.to_json())
+    assert Plan.from_dict(data).predicted.usable_memory_bytes == pytest.approx(limit)
+    del data["predicted"]["usable_memory_bytes"]  # plans written before the field still load
+    assert Plan.from_dict(data).predicted.usable_memory_bytes == 0.0
     with pytest.raises(InfeasibleError, match=r"less [0-9.]+ MiB for the CUDA context, "
                                               r"less the 5% margin"):
         one = parse_cluster("1xa100-40gb")
