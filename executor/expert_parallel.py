@@ -17,14 +17,20 @@ expert-data-parallel replicas, with a gradient divide factor of dp·cp (torchtit
 `set_gradient_divide_factor`) instead of edp, so that experts get the gradient of the mean loss over all
 dp·cp ranks, exactly as the dense parameters that FSDP averages over dp.
 
-Tensor parallelism: attention is tensor-parallel as usual, and every TP rank routes the whole sequence
-(with sequence parallelism the MoE's input is gathered over the sequence first), so the router, the
-load-balancing loss and the EP exchange are the same on the TP ranks of a group.
-- expert_tp = 1: the MoE feed-forward runs replicated on the TP ranks (its output re-sharded on the
-  sequence under sequence parallelism, whose backward all-gathers the gradient), so every TP rank computes
-  identical expert gradients.
+Tensor parallelism: attention is tensor-parallel as usual.
+- expert_tp = 1 with sequence parallelism (Megatron-Core's layout, what planner/cost_ep.py charges): each TP
+  rank routes only its own sequence shard (T/tp tokens, no gather) to whole experts, dispatches it over its
+  EP group (the dp·cp ranks of its tp position) and gets its shard back, so expert FLOPs per rank are ÷tp.
+  The MoE's parameters (router, experts, shared experts and gate) are Replicate() DTensors over TP
+  (`replicate_moe_over_tp`; experts [Shard(0), Replicate()] on the (ep, tp) mesh after `apply_ep`) whose
+  gradients are declared Partial() over TP (moe._local), so FSDP2's post-backward (or
+  train.reduce_partial_grads) sums them over TP as for the sequence-parallel norms; the load-balancing
+  loss's statistics are all-reduced over TP (moe.MoE.tp_group).
+- expert_tp = 1 without sequence parallelism: every TP rank holds the whole sequence and runs the MoE
+  replicated (same tokens, identical gradients): the tp ranks repeat the MoE's work.
 - expert_tp = tp (Megatron-Core's expert tensor parallelism, torchtitan's ExpertTensorParallel): each
-  expert's width is split over the TP group, w1/w3 on their output (expert-ffn) dim, w2 on its input dim,
+  expert's width is split over the TP group (every TP rank routes the whole sequence, gathered under
+  sequence parallelism), w1/w3 on their output (expert-ffn) dim, w2 on its input dim,
   as DTensors on the (ep, tp) mesh (`shard_experts_over_tp`, then `apply_ep`); shared experts are
   column/row-parallel alike. Each TP rank computes its width shard of every routed row, so the block's
   output is a partial sum over TP, reduced by the block's output hook (all-reduce, or reduce-scatter onto
@@ -115,6 +121,19 @@ def shard_experts_over_tp(moe: MoE, tp_mesh: DeviceMesh) -> None:
     moe.expert_tp_group = tp_mesh.get_group()
 
 
+def replicate_moe_over_tp(moe: MoE, tp_mesh: DeviceMesh) -> None:
+    """Sequence parallelism with expert_tp = 1: the MoE runs on this rank's sequence shard. Its parameters
+    become Replicate() DTensors over `tp_mesh` whose gradients are summed over TP (moe._local), and the
+    load-balancing loss sums its statistics over the TP group."""
+    for module in moe.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(p, tp_mesh, [Replicate()])))
+    moe.experts.tokens_split = True
+    if moe.shared_experts is not None:
+        moe.shared_experts.tokens_split = True
+    moe.tp_group = tp_mesh.get_group()
+
+
 def balance_over_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     """Context parallelism: every MoE block's load-balancing loss sums its statistics over the CP group, so
     that it is the whole sequence's (executor/moe.py)."""
@@ -137,17 +156,15 @@ def shard_experts(block: nn.Module, edp_mesh: DeviceMesh, cfg: ParallelConfig, w
 
 
 def moe_tp_plan(block: nn.Module, sequence_parallel: bool, expert_tp: bool = False) -> dict:
-    """TP plan entries of a MoE block's feed-forward. The input is gathered over the sequence (sequence
-    parallelism). expert_tp = 1: replicated over the TP ranks, the output sharded back on the sequence.
-    expert_tp = tp: the output is a partial sum over TP, all-reduced or reduce-scattered onto the
-    sequence; shared experts column/row-parallel, their output partial too."""
+    """TP plan entries of a MoE block's feed-forward. expert_tp = 1: none (the MoE takes the block's local
+    input: this rank's sequence shard under sequence parallelism, its parameters then replicated by
+    `replicate_moe_over_tp`; the whole sequence otherwise, replicated over the TP ranks). expert_tp = tp:
+    the input is gathered over the sequence (sequence parallelism), the output is a partial sum over TP,
+    all-reduced or reduce-scattered onto the sequence; shared experts column/row-parallel, their output
+    partial too."""
     seq = Shard(1) if sequence_parallel else Replicate()
     if not expert_tp:
-        if not sequence_parallel:
-            return {}
-        return {"feed_forward": PrepareModuleInputOutput(
-            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
-            output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)}
+        return {}
     plan: dict = {"feed_forward": PrepareModuleInputOutput(
         input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
         output_layouts=(Partial(),), desired_output_layouts=(seq,), use_local_output=True)}

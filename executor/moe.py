@@ -16,9 +16,11 @@ global batch into data-parallel shards and micro-batches gives the same gradient
 once: every plan trains the same model. Context parallelism splits each sequence over the CP ranks: the
 per-expert counts and score sums are all-reduced over the CP group (`cp_group`, an autograd-aware
 all-reduce whose backward sums the CP ranks' gradients, which the dp·cp gradient average then divides
-back), so every chunk's router gets the whole sequence's loss and gradient. Tensor parallelism gathers the
-sequence before the router (executor/expert_parallel.py): every TP rank routes, and balances, the same
-tokens. The loss is not added to the reported loss; its gradient is
+back), so every chunk's router gets the whole sequence's loss and gradient. Sequence parallelism with expert_tp = 1
+(executor/expert_parallel.py) splits each sequence over the TP ranks: the statistics are all-reduced over the
+TP group too (`tp_group`), with an identity backward, since the TP ranks' gradients are summed, not averaged,
+so every shard's router gets the whole sequence's loss and its own tokens' share of the gradient. Otherwise
+every TP rank routes, and balances, the whole sequence. The loss is not added to the reported loss; its gradient is
 injected into backward at the block's output (Megatron-Core's MoEAuxLossAutoScaler), scaled by
 `aux_loss_scale` = the scale the training loop applies to the main loss (1/num_micro_batches in a plain
 loop, the fp16 loss scale), set by `set_aux_loss_scale`.
@@ -32,7 +34,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 from meshplan.planner.model_spec import ModelSpec
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -73,8 +75,32 @@ def _sum_over(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+class _SumForward(torch.autograd.Function):
+    """All-reduce (sum) over `group` in forward, identity in backward (Megatron's
+    reduce_from_tensor_model_parallel_region): for statistics of a loss that every rank of `group` holds
+    once, whose parameters' gradients are then summed over `group`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _local(t: torch.Tensor, tokens_split: bool = False) -> torch.Tensor:
+    """A parameter's local tensor. `tokens_split` (sequence parallelism, expert_tp = 1): the parameter is
+    replicated over TP ranks that see different tokens (a DTensor Replicate() there); its gradient is
+    declared Partial() over those mesh dims, so that FSDP2's post-backward (or train.reduce_partial_grads)
+    sums it over TP, as for the sequence-parallel norms' weights."""
+    if not isinstance(t, DTensor):
+        return t
+    if not tokens_split:
+        return t.to_local()
+    return t.to_local(grad_placements=[Partial() if x.is_replicate() else x for x in t.placements])
 
 
 class GroupedExperts(nn.Module):
@@ -92,6 +118,7 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(e, h, f))
         self.w3 = nn.Parameter(torch.empty(e, f, h)) if self.swiglu else None
         self.dispatcher = None
+        self.tokens_split = False  # replicated over TP ranks that route different tokens (_local)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if self.dispatcher is not None:
@@ -100,8 +127,8 @@ class GroupedExperts(nn.Module):
 
     def compute(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The local experts over their rows (len(counts) = local experts), one GEMM chain per expert."""
-        w1, w2 = _local(self.w1), _local(self.w2)
-        w3 = _local(self.w3) if self.w3 is not None else None
+        w1, w2 = _local(self.w1, self.tokens_split), _local(self.w2, self.tokens_split)
+        w3 = _local(self.w3, self.tokens_split) if self.w3 is not None else None
         outs = []
         for e, rows in enumerate(torch.split(x, counts)):
             if w3 is not None:
@@ -121,11 +148,16 @@ class SharedExperts(nn.Module):
         self.w1 = nn.Linear(h, ffn, bias=False)
         self.w2 = nn.Linear(ffn, h, bias=False)
         self.w3 = nn.Linear(h, ffn, bias=False) if spec.mlp == "swiglu" else None
+        self.tokens_split = False  # replicated over TP ranks that see different tokens (_local)
+
+    def _linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, _local(layer.weight, True)) if self.tokens_split else layer(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lin = self._linear
         if self.w3 is not None:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+            return lin(self.w2, F.silu(lin(self.w1, x)) * lin(self.w3, x))
+        return lin(self.w2, F.gelu(lin(self.w1, x), approximate="tanh"))
 
 
 class MoE(nn.Module):
@@ -147,6 +179,9 @@ class MoE(nn.Module):
         self.aux_loss_scale = 1.0
         self.cp_group: dist.ProcessGroup | None = None  # context parallelism: the aux loss's statistics summed
         self.expert_tp_group: dist.ProcessGroup | None = None  # expert_tp = tp: experts return partial sums
+        # sequence parallelism with expert_tp = 1: this rank routes its sequence shard; the parameters are
+        # Replicate() DTensors over TP with gradients summed over it, the aux loss's statistics summed over it
+        self.tp_group: dist.ProcessGroup | None = None
 
     def _whole_over_tp(self, t: torch.Tensor) -> torch.Tensor:
         """`t`, held whole by every TP rank, feeds the experts' partial sums (expert_tp = tp): sum its
@@ -155,7 +190,7 @@ class MoE(nn.Module):
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(scores over all experts [T, E] in fp32, the top-k weights [T, k], their expert ids [T, k])."""
-        logits = self.gate(flat).float()
+        logits = F.linear(flat, _local(self.gate.weight, self.tp_group is not None)).float()
         scores = torch.softmax(logits, dim=-1) if self.cfg.router == "softmax" else torch.sigmoid(logits)
         weights, ids = torch.topk(scores, self.cfg.top_k, dim=-1)
         if self.cfg.norm_topk_prob:
@@ -172,6 +207,9 @@ class MoE(nn.Module):
         if self.cp_group is not None:  # this rank holds a chunk of each sequence: sum over the whole sequence
             stats = _sum_over(stats, self.cp_group)
             s *= dist.get_world_size(self.cp_group)
+        if self.tp_group is not None:  # and a TP shard of it (sequence parallelism, expert_tp = 1)
+            stats = _SumForward.apply(stats, self.tp_group)
+            s *= dist.get_world_size(self.tp_group)
         probs, counts = stats[:, :e] / s, stats[:, e:]
         return (probs * counts).sum(dim=-1).mean() * (e / (k * s))
 
@@ -190,7 +228,8 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             shared = self.shared_experts(flat)
             if self.shared_gate is not None:
-                shared = self._whole_over_tp(torch.sigmoid(self.shared_gate(flat))) * shared
+                gate = F.linear(flat, _local(self.shared_gate.weight, self.tp_group is not None))
+                shared = self._whole_over_tp(torch.sigmoid(gate)) * shared
             out = out + shared
         out = out.view(b, s, h)
         coef = self.cfg.aux_loss_coef

@@ -13,7 +13,13 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-from meshplan.executor.expert_parallel import is_moe_block, moe_tp_plan, shard_experts, shard_experts_over_tp
+from meshplan.executor.expert_parallel import (
+    is_moe_block,
+    moe_tp_plan,
+    replicate_moe_over_tp,
+    shard_experts,
+    shard_experts_over_tp,
+)
 from meshplan.executor.model import Transformer, init_value, loss_fn
 from meshplan.planner.model_spec import splits_vocab
 from meshplan.planner.plan import ParallelConfig
@@ -68,8 +74,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, e
     """Megatron-style TP with DTensor: q/k/v and w1/w3 column-wise, wo and w2 row-wise; vocab-parallel
     embedding and head (the head's logits stay sharded for `vocab_parallel_loss`); with sequence
     parallel the norms run on sequence shards and every block's input and output is a local tensor
-    sharded on the sequence dim (use_local_output=True). MoE feed-forwards: replicated over TP, or with
-    `expert_tp` (plan expert_tp = tp) their experts' width sharded over TP (executor/expert_parallel.py)."""
+    sharded on the sequence dim (use_local_output=True). MoE feed-forwards (executor/expert_parallel.py):
+    with `expert_tp` (plan expert_tp = tp) their experts' width sharded over TP; else, under sequence
+    parallelism, run on the rank's sequence shard with parameters replicated over TP, without it replicated."""
     tp = tp_mesh.size()
     spec = model.spec
     for what, n in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
@@ -108,6 +115,8 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, e
         parallelize_module(block, tp_mesh, layer_plan)
         if moe and expert_tp:
             shard_experts_over_tp(block.feed_forward, tp_mesh)
+        elif moe and sequence_parallel:
+            replicate_moe_over_tp(block.feed_forward, tp_mesh)
     if model.head is not None:
         head_plan: dict = {}
         if sequence_parallel:

@@ -7,9 +7,9 @@ token dispatcher). How the MoE layer meets tensor parallelism (expert_tp) follow
 torchtitan: with expert_tp = 1 each TP rank routes its own sequence shard (T/tp tokens) to whole experts;
 with expert_tp = tp the experts' width is split over the TP group as well. Either way a rank's routed rows
 are T·top_k/tp per micro-batch on average, T = b·s/cp its tokens, and the expert FLOPs per rank are
-÷tp (profiler/moe_cost.py). meshplan's own executor (executor/expert_parallel.py) runs expert_tp = tp
-as planned; with expert_tp = 1 it runs the MoE replicated over TP on the whole sequence instead: its tp
-ranks repeat the MoE's work, which this model does not charge.
+÷tp (profiler/moe_cost.py). meshplan's own executor (executor/expert_parallel.py) runs both as planned
+under sequence parallelism; with expert_tp = 1 and without it, every TP rank holds the whole sequence and
+runs the MoE replicated over TP: its tp ranks repeat the MoE's work, which this model does not charge.
 
 Terms, per MoE block and micro-batch (a model's "block" is the mean over its dense and sparse blocks, so
 each term is weighted by the sparse fraction):

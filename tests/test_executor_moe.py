@@ -23,6 +23,10 @@ PLANS = {  # the issue's four shapes, then ZeRO-3 with full recompute, sequence,
                                          num_micro_batches=2),
     "ep2-tp2-sp-selective": dict(dp=2, tp=2, ep=2, sequence_parallel=True, recompute="selective",
                                  micro_batch_size=2, num_micro_batches=2),
+    # expert_tp = 1 under sequence parallelism: each TP rank routes its own sequence shard, the MoE's parameters'
+    # gradients are summed over TP and the load-balancing loss's statistics too (weight 1: a wrong sum shows)
+    "ep2-tp2-sp-shared-zero1-aux1": dict(dp=2, tp=2, ep=2, sequence_parallel=True, shared=True, zero=1,
+                                         micro_batch_size=2, num_micro_batches=2, aux_loss_coef=1.0),
     # ZeRO-0 (replicate: experts all-reduced over edp = 2), with all-to-all context parallelism. CP splits
     # sequences: the load-balancing loss sums its statistics over the CP group, so it is the whole sequence's.
     "ep2-cp2-zero0": dict(dp=2, cp=2, cp_mode="all-to-all", ep=2, micro_batch_size=1, num_micro_batches=2),
