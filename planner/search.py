@@ -175,6 +175,7 @@ class _Bounds(NamedTuple):
     bubble: float
     room: list[float]  # bytes per rank left for blocks (memory_lower_bound's)
     block_state: float  # least state bytes of a block, as memory_lower_bound counts it
+    limit: float  # the bytes a rank may use (Search.limit), `ratio`'s denominator
 
 
 class _Board:
@@ -213,7 +214,6 @@ class Search:
                  solver: str | None = None, force_assignment: bool = False):
         self.model, self.cluster, self.c, self.profile = model, cluster, constraints, profile
         self.seq = constraints.effective_seq_len(model)
-        self.mem_limit = cluster.device.memory_bytes * (1 - constraints.memory_margin)  # before the reserve
         self.placer = Placer(cluster)
         self.cuts = allowed_cuts(model_graph(model))
         self.terms = Terms(model, profile, self.seq, constraints.dtype)
@@ -317,7 +317,7 @@ class Search:
         tau = max(work / pp, tmax)
         tail = (agg["opt"] + max(agg["dp"] - gsum, unhidden * agg["dp"])) / pp + \
             step_sync_time(self.profile, dp * tp * pp, links)
-        return _Bounds((cand.m + bubble) * tau + tail, ratio, work, tmax, tail, bubble, left, block_state)
+        return _Bounds((cand.m + bubble) * tau + tail, ratio, work, tmax, tail, bubble, left, block_state, limit)
 
     def _kind_sums(self, b: int, tp: int, schedule: str, terms: Terms | None = None) -> dict:
         """Per-kind rows (Terms.kind) and their sums over the model's layers (memoised on `terms`)."""
@@ -375,7 +375,7 @@ class Search:
         mode = "none" if cand.recompute == "none" else ("all" if cand.recompute_pinned else "free")
         inflight = self._inflight(cand.schedule, pp, cand.v, cand.m)
         act = rows["block"][3]
-        slack = self.mem_limit * 1e-9  # evaluate's feasibility tolerance
+        slack = parts.limit * 1e-9  # evaluate's feasibility tolerance
         tau = least_bottleneck(blocks, sum(rows["block"][:3]), fixed, [x + slack for x in parts.room],
                                [parts.block_state + k * act for k in inflight], [k * rec_saving for k in inflight],
                                rec_time, mode)
@@ -457,7 +457,7 @@ class Search:
             self.considered += 1
             parts = self._bounds(cand)
             reported = self._reported(cand, parts)
-            self.bounds_seen.append((reported, parts.ratio * self.limit(cand), cand))
+            self.bounds_seen.append((reported, parts.ratio * parts.limit, cand))
             if parts.ratio > 1.0:
                 self.memory_pruned.append((None, index, cand))
                 continue
@@ -683,7 +683,7 @@ def infeasible_message(search: Search) -> str:
     near = search.nearest()
     c, dev = search.c, search.cluster.device
     state = sum(layer.params for layer in search.model.layers) * 16.0
-    need_devices = int(-(-state // search.mem_limit))
+    need_devices = int(-(-state // (dev.memory_bytes * (1 - c.memory_margin))))
     hints = []
     if c.zero is not None and c.zero < 3:
         hints.append("--zero 3 (shard parameters, gradients and optimizer over dp)")
