@@ -67,3 +67,15 @@ def test_cluster_file_sets_the_reserve():
     own = DeviceSpec.from_dict({**gpu, "context_bytes": 0, "communicator_bytes": 2e9}, "d")
     assert reserve(own, 2, 1, 4).total == 3 * 2e9
     assert DeviceSpec.from_dict({**gpu, "kind": "cpu"}, "d").context_bytes == 0.0
+
+
+def test_bad_reserve_fields_are_one_line_errors():
+    from dataclasses import asdict
+
+    from meshplan.planner.cluster_spec import DeviceSpec
+    from meshplan.planner.errors import InputError
+
+    gpu = asdict(parse_cluster("8xh100-80gb").device)
+    for key in ("context_bytes", "communicator_bytes"):
+        with pytest.raises(InputError, match=rf"^d\.{key}: expected a number >= 0\.0"):
+            DeviceSpec.from_dict({**gpu, key: -1}, "d")
