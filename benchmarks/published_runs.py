@@ -42,10 +42,19 @@ DEFAULT_SOURCES = ("megatron_sc21", "korthikanti_2022", "llama3_herd_2024", "blo
 #   this layout at 8K without activation checkpointing (§3.3.2), which needs the same.
 # - SC'21's artifact (examples/sc21/run_table_1.sh) runs DDP=local: the gradient all-reduce follows the
 #   whole backward (Megatron-LM's --overlap-grad-reduce came in 2023).
+# - Gradients: Megatron-LM in fp16 (SC'21's runs) keeps and all-reduces 16-bit gradients (its default); in bf16
+#   it forces fp32 accumulation and reduction (megatron/training/arguments.py), as do DeepSpeed's BF16_Optimizer,
+#   FSDP with an fp32 reduce dtype (torchtitan, llm-foundry's DEFAULT mixed precision) and Llama 3 (§3.3.4):
+#   the executor's 4 bytes. llm-foundry's PURE mixed precision reduces in bf16.
+# - BLOOM ran Megatron-DeepSpeed on DeepSpeed's pipeline engine with its BF16_Optimizer: the engine reduces
+#   gradients after the last micro-batch (runtime/pipe/schedule.py TrainSchedule: ReduceGrads at the final
+#   step), and the optimizer all-reduces its whole fp32 gradients before stepping its shard
+#   (runtime/pipe/engine.py _bf16_reduce_grads).
 SOFTWARE = {
-    "megatron_sc21": dict(attention="unfused", activations="sharded", grad_overlap=False),
+    "megatron_sc21": dict(attention="unfused", activations="sharded", grad_overlap=False, grad_bytes=2),
     "korthikanti_2022": dict(attention="unfused", activations="sharded", grad_overlap=False),
-    "bloom_bigscience": dict(attention="unfused", activations="sharded"),
+    "bloom_bigscience": dict(attention="unfused", activations="sharded", grad_overlap=False,
+                             grad_reduce="all_reduce"),
     "mt_nlg_2022": dict(attention="unfused", activations="sharded"),
     "llama3_herd_2024": dict(attention="flash", activations="sharded"),
     # Megatron-Core (2024): Transformer Engine's flash attention, activations kept as shards, gradient
@@ -72,7 +81,8 @@ def cluster_of(row: dict):
 def software(row: dict) -> dict:
     """The row's software settings; sequence parallelism as the row's layout says (on when not given)."""
     sp = row["layout"].get("sequence_parallel") is not False
-    return SOFTWARE.get(row["source_key"], {}) | {"sequence_parallel": sp}
+    pure = "PURE" in (row["layout"].get("dtype") or "")  # llm-foundry: FSDP reduces in bf16
+    return SOFTWARE.get(row["source_key"], {}) | {"sequence_parallel": sp} | ({"grad_bytes": 2} if pure else {})
 
 
 def model_of(row: dict) -> ModelSpec:

@@ -42,6 +42,10 @@ class DeviceSpec:
     # buffers per communicator
     context_bytes: float = 0.0
     communicator_bytes: float = 0.0
+    # per-tile fixed cost of a GEMM in units of its reduction length K (throughput ∝ K/(K + gemm_k0)), and
+    # the K of the shape `efficiency` was measured at; 0: not modelled
+    gemm_k0: float = 0.0
+    gemm_k_ref: float = 0.0
 
     @classmethod
     def from_dict(cls, data: dict, path: str) -> DeviceSpec:
@@ -73,6 +77,8 @@ class DeviceSpec:
                    comm_sms=f.int("comm_sms", min=0, default=0),
                    context_bytes=f.float("context_bytes", min=0.0, default=CUDA_CONTEXT_BYTES * gpu),
                    communicator_bytes=f.float("communicator_bytes", min=0.0, default=NCCL_COMMUNICATOR_BYTES * gpu),
+                   gemm_k0=f.float("gemm_k0", min=0.0, default=0.0),
+                   gemm_k_ref=f.float("gemm_k_ref", min=0.0, default=0.0),
                    attention_flops={k: [[float(a), float(b)] for a, b in v] for k, v in table.items()})
 
 
@@ -160,6 +166,14 @@ FA2_GB200_DERIVED = _fa((141, 192, 232, 257, 273, 284), (163, 221, 265, 294, 308
 # - communicator_bytes: NCCL's buffers for one communicator: each channel keeps 4 MiB (Simple), 4.69 MiB
 #   (LL128) and 512 KiB (LL) per connection (NVIDIA/nccl src/init.cc, NCCL_BUFFSIZE defaults); measured on
 #   A100 with NVLink, 544 MB for a 2-GPU group and 688 MB for a 4-GPU group (NVIDIA/nccl#964): the larger.
+# - gemm_k0, gemm_k_ref: a GEMM tile's prologue and epilogue cost a fixed time, so throughput rises with the
+#   reduction length K as K/(K + K0). H100 (sm_90; H200 the same die): OpenXLA's measured GEMM table
+#   (xla/service/gpu/model/matmul_interpolator_data.h @71feeddf, bf16, M = N = 4096, median kernel time):
+#   685.2 TFLOP/s at K = 1024 and 780.2 at K = 4096, so K0 = 1024·4096·(1 − r)/(4096·r − 1024) with
+#   r = 685.2/780.2: 198 (an H800 SXM sweep at M = N = 8192, tile-ai/tilelang benchmark/matmul, gives 249).
+#   MAMF was measured at 2048x2048x13312 (ml-engineering), K_ref 13312. A100: no K sweep is published (0).
+#   B200 has one (XLA sm_100) but its MAMF shape is not published with it: not modelled.
+H100_GEMM_K0, H100_MAMF_K = 198.0, 13312.0
 LAUNCH_S = 3.5e-6
 CUDA_CONTEXT_BYTES = 400e6
 NCCL_COMMUNICATOR_BYTES = 688e6
@@ -168,11 +182,11 @@ COMM_SMS = 24
 
 
 def _gpu(name: str, mem: int, peak: dict[str, float], hbm: float, mamf: float, sms: int,
-         fa: dict[str, list[list[float]]], hbm_share: float) -> DeviceSpec:
+         fa: dict[str, list[list[float]]], hbm_share: float, k0: float = 0.0, k_ref: float = 0.0) -> DeviceSpec:
     return DeviceSpec(name, "cuda", mem, peak, efficiency=mamf, memory_bandwidth_Bps=hbm, sm_count=sms,
                       memory_efficiency=hbm_share, kernel_launch_s=LAUNCH_S, attention_flops=fa,
                       device_spread=DEVICE_SPREAD, comm_sms=COMM_SMS, context_bytes=CUDA_CONTEXT_BYTES,
-                      communicator_bytes=NCCL_COMMUNICATOR_BYTES)
+                      communicator_bytes=NCCL_COMMUNICATOR_BYTES, gemm_k0=k0, gemm_k_ref=k_ref)
 
 
 _A100 = {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12}
@@ -180,8 +194,10 @@ _H100 = {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12}
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
     "a100-40gb": _gpu("a100-40gb", 40960 * MiB, _A100, 1.555e12, 271.2 / 312, 108, FA2_A100, 1.377 / 1.555),
     "a100-80gb": _gpu("a100-80gb", 81920 * MiB, _A100, 2.039e12, 271.2 / 312, 108, FA2_A100, 1.725 / 2.039),
-    "h100-80gb": _gpu("h100-80gb", 81559 * MiB, _H100, 3.35e12, 794.5 / 989, 132, FA2_H100, 2.97 / 3.35),
-    "h200-141gb": _gpu("h200-141gb", 143771 * MiB, _H100, 4.8e12, 794.5 / 989, 132, FA2_H100, 4.18 / 4.8),
+    "h100-80gb": _gpu("h100-80gb", 81559 * MiB, _H100, 3.35e12, 794.5 / 989, 132, FA2_H100, 2.97 / 3.35,
+                      H100_GEMM_K0, H100_MAMF_K),
+    "h200-141gb": _gpu("h200-141gb", 143771 * MiB, _H100, 4.8e12, 794.5 / 989, 132, FA2_H100, 4.18 / 4.8,
+                       H100_GEMM_K0, H100_MAMF_K),
     "b200-180gb": _gpu("b200-180gb", 180 * 1000**3, {"fp32": 80e12, "bf16": 2250e12, "fp16": 2250e12}, 8e12,
                        1745.0 / 2250, 148, FA2_B200_DERIVED, 4.18 / 4.8),
     # GB200 NVL72 (nvidia.com gb200-nvl72: 360 PFLOP/s sparse BF16 per 72 GPUs -> 2,500 dense each; 186 GB

@@ -47,6 +47,7 @@ from meshplan.planner.cost_model import (
     Workspace,
     compute_time,
     dp_sync_time,
+    grad_bytes,
     optimizer_time,
     sharded_dp_time,
     state_bytes_per_param,
@@ -218,8 +219,8 @@ class _EPMixin:
             edp = max(1, dp // self.ep)
             experts = model.moe.num_experts * expert_params(model)
             ex = experts / (self.ep * self.expert_tp)
-            bytes_dp = sum(state_bytes_per_param(self.dtype, zero, dp, sync.full_grads))
-            bytes_edp = sum(state_bytes_per_param(self.dtype, zero, edp, sync.full_grads))
+            bytes_dp = sum(state_bytes_per_param(self.dtype, zero, dp, sync.full_grads, grad_bytes(self.profile)))
+            bytes_edp = sum(state_bytes_per_param(self.dtype, zero, edp, sync.full_grads, grad_bytes(self.profile)))
             in_situ = dp > 1 and self.profile.wrapper(zero) is not None
             for i, layer in enumerate(model.layers):
                 if layer.kind != "block" or not is_sparse_block(model, int(layer.name.split(".")[-1])):

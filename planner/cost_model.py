@@ -12,9 +12,15 @@ iteration; memory is bytes per device.
 
 Assumptions (documented once here):
 - Model state (ZeRO, Rajbhandari et al. SC'20, §3): mixed precision (bf16/fp16) Adam keeps a 16-bit
-  parameter (2 B), a 16-bit gradient (2 B) and fp32 master copy + 2 moments (12 B) = 16 B/param; fp32
-  Adam keeps parameter 4 + gradient 4 + 2 moments 8 = 16 B/param with no master copy. ZeRO-1 shards the
-  optimizer over dp, ZeRO-2 also the gradients, ZeRO-3 also the parameters.
+  parameter (2 B), an fp32 gradient (4 B, `grad_bytes`) and fp32 master copy + 2 moments (12 B) = 18 B/param;
+  fp32 Adam keeps parameter 4 + gradient 4 + 2 moments 8 = 16 B/param with no master copy. ZeRO-1 shards
+  the optimizer over dp, ZeRO-2 also the gradients, ZeRO-3 also the parameters. Gradients are fp32 because
+  the executor accumulates and reduces them in fp32 (executor/parallelize.apply_dp: MixedPrecisionPolicy
+  reduce_dtype=float32; FSDP2 upcasts gradients it accumulates without reducing, torch _fsdp_param.py
+  to_accumulated_grad_if_needed), as Megatron-LM forces for bf16 ("bfloat16 requires gradient accumulation
+  and all-reduce to be done in fp32", megatron/training/arguments.py), DeepSpeed's BF16_Optimizer reduces
+  its fp32 gradients (runtime/pipe/engine.py _bf16_reduce_grads) and Llama 3 reduce-scatters in FP32
+  (arXiv:2407.21783 §3.3.4). The data-parallel gradient reduction moves `grad_bytes` per element.
 - All layers' parameters (vocab-parallel embedding and head included) are split over tp; the few norm
   weights that TP replicates are neglected.
 - ZeRO-3 gathers two layers' parameters at a time (current + prefetch), the workspace term below.
@@ -22,6 +28,7 @@ Assumptions (documented once here):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -29,7 +36,7 @@ from meshplan.planner.model_spec import ModelSpec, vocab_shard, wrapped_unit_par
 from meshplan.profiler.analytic import DTYPE_BYTES, layer_forward_flops
 
 # (parameter, gradient, optimizer) bytes per parameter; see the module docstring.
-STATE_BYTES = {"bf16": (2.0, 2.0, 12.0), "fp16": (2.0, 2.0, 12.0), "fp32": (4.0, 4.0, 8.0)}
+STATE_BYTES = {"bf16": (2.0, 4.0, 12.0), "fp16": (2.0, 4.0, 12.0), "fp32": (4.0, 4.0, 8.0)}
 
 
 @dataclass(frozen=True)
@@ -155,7 +162,7 @@ def split_backward_factor(profile, schedule: str, b: int) -> float:
     return profile.split_backward_factor(b) if schedule == "zero-bubble" else 1.0
 
 
-def dp_ops(zero: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def dp_ops(zero: int, grad_reduce: str = "reduce_scatter") -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(once per iteration, every micro-batch) data-parallel collectives of one wrapped unit, as the
     executor's engines run them with gradient accumulation (executor/train.py; torch.distributed.pipelining
     does the same): ZeRO-0 (replicate) all-reduces the accumulated gradients after the last micro-batch
@@ -163,12 +170,25 @@ def dp_ops(zero: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     reduce-scatter them and all-gather the updated parameter shards at the next forward (Rajbhandari et
     al. SC'20 §5.2); ZeRO-3 reduce-scatters once and all-gathers the parameters before every forward and
     again before every backward (SC'20 §5.3; FSDP2 reshards after forward). ZeRO-2/3 without pipelining
-    repeat the reduce-scatter every micro-batch instead (`grad_sync`)."""
+    repeat the reduce-scatter every micro-batch instead (`grad_sync`). `grad_reduce` "all_reduce": a ZeRO-1/2
+    that all-reduces whole gradients (DeepSpeed's BF16_Optimizer)."""
     if zero == 0:
         return ("all_reduce",), ()
     if zero <= 2:
-        return ("reduce_scatter", "all_gather"), ()
+        return (grad_reduce, "all_gather"), ()
     return ("reduce_scatter",), ("all_gather", "all_gather")
+
+
+def grad_bytes(profile) -> float:
+    """Bytes per gradient element held and reduced over data parallelism: the software's (a preset's
+    roofline), else the executor's fp32 (module docstring)."""
+    r = getattr(profile, "roofline", None)
+    return float(r.grad_bytes) if r is not None else STATE_BYTES["fp32"][1]
+
+
+def grad_reduce_op(profile) -> str:
+    r = getattr(profile, "roofline", None)
+    return r.grad_reduce if r is not None else "reduce_scatter"
 
 
 @dataclass(frozen=True)
@@ -190,8 +210,11 @@ def grad_sync(cand: Candidate) -> GradSync:
     return GradSync(full_grads=cand.m > 1 and not every, reductions=cand.m if every else 1)
 
 
-def _link_time(profile, ops: tuple[str, ...], nbytes: float, dp: int, link_class: str) -> float:
-    return sum(profile.collective_time(op, nbytes, dp, link_class) for op in ops)
+def _link_time(profile, ops: tuple[str, ...], params: float, dtype: str, dp: int, link_class: str) -> float:
+    """`ops` over `params` elements: gradient reductions at `grad_bytes`, parameter gathers at `dtype`."""
+    per = {"all_gather": DTYPE_BYTES[dtype]}
+    g = grad_bytes(profile) if dtype != "fp32" else DTYPE_BYTES[dtype]
+    return sum(profile.collective_time(op, params * per.get(op, g), dp, link_class) for op in ops)
 
 
 def in_situ_factor(profile, zero: int) -> float | None:
@@ -201,10 +224,10 @@ def in_situ_factor(profile, zero: int) -> float | None:
     w = profile.wrapper(zero)
     if w is None:
         return None
-    ops, _ = dp_ops(zero)
+    ops, _ = dp_ops(zero, grad_reduce_op(profile))
     # the units' sizes from the model, not the sample: older profiles counted a tied root's weight wrong
     units = wrapped_unit_params(profile.model, len(w.unit_params) - 1)
-    ref = sum(_link_time(profile, ops, n * DTYPE_BYTES[profile.dtype], w.ranks, "intra_node") for n in units)
+    ref = sum(_link_time(profile, ops, n, profile.dtype, w.ranks, "intra_node") for n in units)
     return w.sync_s / ref if ref > 0 else None
 
 
@@ -215,10 +238,9 @@ def dp_sync_time(profile, params: float, dtype: str, dp: int, zero: int, link_cl
     in-situ factor when the profiler measured it (then it is the exposed time: see `unhidden_share`)."""
     if dp <= 1:
         return 0.0
-    ops, _ = dp_ops(zero)
-    nbytes = params * DTYPE_BYTES[dtype]
-    t = _link_time(profile, ops, nbytes, dp, link_class) + \
-        (reductions - 1) * _link_time(profile, ops[:1], nbytes, dp, link_class)
+    ops, _ = dp_ops(zero, grad_reduce_op(profile))
+    t = _link_time(profile, ops, params, dtype, dp, link_class) + \
+        (reductions - 1) * _link_time(profile, ops[:1], params, dtype, dp, link_class)
     k = in_situ_factor(profile, zero)
     return t * (k if k is not None else 1.0) * profile.correction("dp_comm")
 
@@ -233,7 +255,7 @@ def sharded_dp_time(profile, params: float, dtype: str, dp: int, zero: int, link
     if w is not None:
         return w.hook_s * profile.correction("dp_comm")
     _, ops = dp_ops(zero)
-    return _link_time(profile, ops, params * DTYPE_BYTES[dtype], dp, link_class) * profile.correction("dp_comm")
+    return _link_time(profile, ops, params, dtype, dp, link_class) * profile.correction("dp_comm")
 
 
 def root_hook_time(profile, dp: int, zero: int) -> float:
@@ -334,22 +356,26 @@ def in_flight(schedule: str, pp: int, v: int, m: int, rank: int) -> float:
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
-def state_bytes_per_param(dtype: str, zero: int, dp: int, accumulating: bool = False) -> tuple[float, float, float]:
+def state_bytes_per_param(dtype: str, zero: int, dp: int, accumulating: bool = False,
+                          grad: float | None = None) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer) bytes per parameter on one device under ZeRO level `zero`, at the
     activation peak of a step as the executor runs it. FSDP2 (ZeRO ≥ 1, dp > 1) keeps each parameter's
-    fp32 shard, and below ZeRO-3 also the gathered parameter for the whole step; with mixed precision
+    fp32 shard, and below ZeRO-3 also the gathered parameter for the whole step (ZeRO-3 gathers it per
+    unit and frees it: `gather_workspace`); with mixed precision
     the shard is the master copy already in the 12 optimizer bytes, in fp32 it adds p/dp. Micro-batches
     that skip the reduction keep unsharded gradients (torch FSDPParamGroup.post_backward), so where the
     reduction waits for the last micro-batch (`accumulating`: `GradSync.full_grads`) ZeRO-2/3 hold full
     gradients too. ZeRO-0 (`replicate`, FSDP2's engine on a replicated mesh) keeps a whole fp32 copy as
     its shard and the gathered parameter, so ZeRO-0 holds about as much parameter memory as ZeRO-1 (one
-    fp32 copy more than plain DDP would)."""
+    fp32 copy more than plain DDP would). `grad`: bytes per gradient element where the software's differ
+    from the executor's (`grad_bytes`)."""
     p, g, o = STATE_BYTES[dtype]
+    g = g if grad is None or dtype == "fp32" else grad
     if dp <= 1:
         return p, g, o
     shards = dp if zero >= 1 else 1  # replicate: FSDP2's engine over one shard, the whole parameter
     shard = p / shards if dtype == "fp32" else 0.0
-    params = p / shards if zero >= 3 else p + shard
+    params = shard if zero >= 3 else p + shard  # ZeRO-3 gathers 16-bit parameters per unit (gather_workspace)
     return params, (g / shards if zero >= 2 and not accumulating else g), o / shards
 
 
@@ -383,7 +409,8 @@ def step_transients(model: ModelSpec, cand: Candidate, s: int, dtype: str,
     shards = dp if cand.zero >= 1 and dp > 1 else 1  # AdamW steps FSDP's shards
     local = tp * shards
     table = vocab_shard(model, tp) * model.hidden_size  # embedding / LM-head weight elements
-    grad = STATE_BYTES[dtype][1]
+    # a new gradient is in the compute dtype under FSDP2 (param_dtype), fp32 under autocast (one replica)
+    grad = DTYPE_BYTES[dtype] if dp > 1 else 4.0
     tied_one = model.tied_embeddings and S == 1
     accumulating = cand.m > 1
     act, emb, opt = [0.0] * pp, [0.0] * pp, [0.0] * pp
@@ -398,21 +425,115 @@ def step_transients(model: ModelSpec, cand: Candidate, s: int, dtype: str,
 
 
 def peak_memory(state: float, fixed: float, inflight: float, act: float, opt_layers: float, ws: Workspace,
-                r: int, grads_idle: float = 0.0) -> float:
+                r: int, grads_idle: float = 0.0, later: tuple[tuple[float, float], ...] = (),
+                emb_inflight: float | None = None) -> float:
     """A rank's peak: state and fixed bytes plus the largest of the three transient moments (Workspace);
-    at the activation moment without the gradients not allocated yet (`grads_idle` share of the state:
-    m ≤ in-flight micro-batches, so no backward has finished; counting the gradients there would
-    over-predict such plans by the whole gradient size)."""
-    return fixed + max(state * (1.0 - grads_idle) + inflight * act + ws.act[r],
-                       state + max(inflight - 1.0, 0.0) * act + ws.emb[r], state + opt_layers + ws.opt[r])
+    at the activation moment without the gradients not allocated yet (`grads_idle` share of the state;
+    counting gradients that do not exist there would over-predict such plans by their size), and at
+    each `later` moment (in-flight, share of the state not allocated) of `grad_moments`; the embedding's
+    moment with `emb_inflight` micro-batches alive (`emb_in_flight`; one below the peak by default)."""
+    acts = [state * (1.0 - idle) + n * act + ws.act[r] for n, idle in ((inflight, grads_idle), *later)]
+    emb = max(inflight - 1.0, 0.0) if emb_inflight is None else emb_inflight
+    return fixed + max(*acts, state + emb * act + ws.emb[r], state + opt_layers + ws.opt[r])
 
 
-def grads_idle(state_bytes: tuple[float, float, float], m: int, inflight: list[float]) -> list[float]:
-    """Per rank: the gradients' share of the (parameter, gradient, optimizer) bytes when none exists yet
-    at the activation peak: m ≤ the in-flight micro-batches, so every forward runs before the first
-    backward."""
+def _walk(schedule: str, pp: int, v: int, m: int, rank: int) -> tuple[tuple[tuple[float, float], ...], float]:
+    return _walks(schedule, pp, v, m)[rank] if schedule == "zero-bubble" else _looped_moments(schedule, pp, v, m, rank)
+
+
+def _looped_moments(schedule: str, pp: int, v: int, m: int, rank: int
+                    ) -> tuple[tuple[tuple[float, float], ...], float]:
+    """`_walks` in closed form for GPipe, 1F1B and interleaved 1F1B (tests check it against the walk).
+    Before backward k the rank holds its peak N chunk micro-batches through the steady phase (S backwards),
+    then one fewer per backward; backwards run chunk v−1 for a round of g micro-batches, then chunk v−2, …
+    (ScheduleInterleaved1F1B's rounds, g = m // max(1, m // pp)). Chunk j's gradients appear at
+    backward j·g, so the most activations seen with j + 1 chunks' gradients are those before backward
+    j·g + 1 (or after j·g when it is the last)."""
+    v = v if schedule == "interleaved-1f1b" else 1
+    chunks, peak = m * v, round(in_flight(schedule, pp, v, m, rank) * v)
+    steady = chunks - peak + 1
+    group = m // max(1, m // pp) if v > 1 else m
+
+    def alive(k: int) -> int:
+        return peak - max(0, k - steady + 1)
+    front = [(float(peak), 0.0)]
+    for j in range(v):
+        k = j * group
+        n = alive(k + 1) if k + 1 < chunks else alive(k) - 1
+        if n == front[-1][0]:
+            front[-1] = (float(n), (j + 1) / v)
+        else:
+            front.append((float(n), (j + 1) / v))
+    emb = alive((v - 1) * group) - 1
+    return tuple((n / v, share) for n, share in front), emb / v
+
+
+@functools.lru_cache(maxsize=1024)
+def _walks(schedule: str, pp: int, v: int, m: int) -> list[tuple[tuple[tuple[float, float], ...], float]]:
+    """Walk the rank's actions as torch.distributed.pipelining orders them (planner/schedule.rank_actions):
+    a forward adds a chunk micro-batch of activations; the pass that ends a micro-batch's backward on a
+    chunk (B; W under zero-bubble, whose input-grad I leaves the saved inputs for W) frees it, and the
+    first such pass of a chunk allocates that chunk's gradients. Returns the Pareto front of (chunk
+    micro-batches alive, gradient share) at the start and end of every freeing pass, most activations
+    first, and the activations left after the first freeing pass of the rank's first chunk (the stage
+    with the embedding on rank 0)."""
+    from meshplan.planner.schedule import rank_actions  # schedule imports the plan types, not this module
+
+    v = v if schedule in ("interleaved-1f1b", "zero-bubble") else 1
+    frees = "W" if schedule == "zero-bubble" else "B"
+    out = []
+    for rank, order in enumerate(rank_actions(schedule, pp, v, m)):
+        n, done, points, emb = 0, set(), [], None
+        for act in order:
+            if act.kind == "F":
+                n += 1
+            elif act.kind == frees:
+                points.append((n, len(done) / v))
+                done.add(act.stage)
+                n -= 1
+                points.append((n, len(done) / v))
+                if emb is None and act.stage == rank:
+                    emb = n
+        front: list[tuple[float, float]] = []
+        for k, share in sorted(set(points), key=lambda p: (-p[0], -p[1])):
+            if not front or share > front[-1][1]:
+                front.append((k / v, share))
+        out.append((tuple(front), (emb or 0) / v))
+    return out
+
+
+@functools.lru_cache(maxsize=65536)
+def grad_moments(schedule: str, pp: int, v: int, m: int, rank: int) -> tuple[tuple[float, float], ...]:
+    """The moments of a rank's step that can set its peak, as (activations alive in `in_flight` units,
+    share of the rank's gradients allocated), the activation peak first, dominated moments dropped. The
+    executor frees gradients at every step (zero_grad(set_to_none=True)); a chunk's gradients appear with
+    its first backward, which also frees that micro-batch's activations (`_walk`). The peak is
+    `in_flight`'s (the walk's can be lower: ZB-V with m < 2pp − 1)."""
+    front, _ = _walk(schedule, pp, v, m, rank)
+    return ((in_flight(schedule, pp, v, m, rank), front[0][1]), *front[1:])
+
+
+def emb_in_flight(schedule: str, pp: int, v: int, m: int, rank: int) -> float:
+    """Activations alive (`in_flight` units) when the rank's first chunk ends its first backward (on rank
+    0: the embedding's), every gradient of the rank allocated by then in every schedule: one micro-batch
+    below the peak for 1F1B and GPipe."""
+    return _walk(schedule, pp, v, m, rank)[1]
+
+
+def grads_idle(state_bytes: tuple[float, float, float], moments: list[tuple[tuple[float, float], ...]]
+               ) -> list[float]:
+    """Per rank: the share of the (parameter, gradient, optimizer) bytes not yet allocated at the
+    activation peak (`grad_moments`' first moment): the gradients not allocated there."""
     pb, gb, ob = state_bytes
-    return [gb / (pb + gb + ob) if m <= k else 0.0 for k in inflight]
+    return [gb / (pb + gb + ob) * (1.0 - mo[0][1]) for mo in moments]
+
+
+def later_moments(state_bytes: tuple[float, float, float], moments: list[tuple[tuple[float, float], ...]]
+                  ) -> list[tuple[tuple[float, float], ...]]:
+    """Per rank: the other moments of `grad_moments` as (in-flight, share of the state not allocated)."""
+    pb, gb, ob = state_bytes
+    g = gb / (pb + gb + ob)
+    return [tuple((n, g * (1.0 - share)) for n, share in mo[1:]) for mo in moments]
 
 
 def state_kept(idle: list[float]) -> float:
@@ -488,6 +609,8 @@ class StageProblem:
     recompute: str  # "free": 0..n per stage; "none"; "all"
     ws: Workspace  # the step's transient bytes (peak_memory)
     grads_idle: list[float]  # per rank: share of `state` not yet allocated at the activation peak
+    later: list[tuple[tuple[float, float], ...]] = field(default_factory=list)  # per rank: later_moments
+    emb_inflight: list[float] = field(default_factory=list)  # per rank: emb_in_flight
     cuts: list[bool] = field(default_factory=list)  # cuts[l]: a stage may start at layer l (l ≥ 1)
     # per stage: the part of `boundary` that is not the stage's own work in the shared-core simulation,
     # and the wait it puts on each hop instead (cost_model.pipeline_busy_wait); empty: none
@@ -530,7 +653,9 @@ class StageProblem:
                 self.rec_saving, tuple(self.boundary), tuple(self.rank), tuple(self.inflight),
                 tuple(self.fixed), self.mem_limit, self.weight, self.unhidden, self.recompute, tuple(self.cuts),
                 tuple(self.ws.act), tuple(self.ws.emb), tuple(self.ws.opt), tuple(self.ws.per_layer),
-                tuple(self.grads_idle), tuple(self.boundary_relief), tuple(self.hop_wait), self.step_sync)
+                tuple(self.grads_idle), tuple(self.later), tuple(self.emb_inflight), tuple(self.boundary_relief),
+                tuple(self.hop_wait),
+                self.step_sync)
 
 
 @dataclass
@@ -607,7 +732,8 @@ def evaluate(problem: StageProblem, bounds: list[int], recompute: list[int],
         tails.append((exposed, sum(rows[s]["opt"] for s in stages) + P.step_sync))
         mem.append(peak_memory(sum(rows[s]["state"] for s in stages), P.fixed[r], P.inflight[r],
                                sum(rows[s]["act"] for s in stages), sum(rows[s]["opt_ws"] for s in stages), P.ws, r,
-                               P.grads_idle[r]))
+                               P.grads_idle[r], P.later[r] if P.later else (),
+                               P.emb_inflight[r] if P.emb_inflight else None))
     tau_max, tail = max(tau), max(e + o for e, o in tails)
     results = []
     p_frac, g_frac, o_frac = state_split
@@ -711,7 +837,7 @@ class Terms:
                   ) -> tuple[list, list, list, list]:
         """(state bytes, optimizer s, per-iteration DP sync s, per-micro-batch sharded DP s) of every layer."""
         def make():
-            pb, gb, ob = state_bytes_per_param(self.dtype, zero, dp, sync.full_grads)
+            pb, gb, ob = state_bytes_per_param(self.dtype, zero, dp, sync.full_grads, grad_bytes(self.profile))
             by_params: dict[tuple, tuple] = {}
             out: tuple[list, list, list, list] = ([], [], [], [])
             in_situ = dp > 1 and self.profile.wrapper(zero) is not None
@@ -765,7 +891,8 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
                                    unfused_share(cand.schedule, pp, cand.m, rank[k]), b) for k in range(S)]
     boundary = [root + t for t, _, _ in splits]
     inflight = [in_flight(cand.schedule, pp, v, cand.m, r) for r in range(pp)]
-    state_bytes = state_bytes_per_param(dtype, zero, dp, sync.full_grads)
+    moments = [grad_moments(cand.schedule, pp, v, cand.m, r) for r in range(pp)]
+    state_bytes = state_bytes_per_param(dtype, zero, dp, sync.full_grads, grad_bytes(profile))
     tied = sum(layer.tied_params for layer in model.layers if layer.kind == "head")
     fixed = fixed_bytes(pp, rank, tied / tp * sum(state_bytes),
                         gather_workspace(model, tp, dtype) if zero >= 3 and dp > 1 else 0.0)
@@ -779,7 +906,8 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
         boundary_relief=[r for _, r, _ in splits], hop_wait=[w for _, _, w in splits],
         ws=add_ep_buffers(add_cp_buffers(step_transients(model, cand, seq_len, dtype, rank), model, cand, seq_len,
                                          dtype), model, cand, seq_len, dtype, imbalance),
-        grads_idle=grads_idle(state_bytes, cand.m, inflight),
+        grads_idle=grads_idle(state_bytes, moments), later=later_moments(state_bytes, moments),
+        emb_inflight=[emb_in_flight(cand.schedule, pp, v, cand.m, r) for r in range(pp)],
         step_sync=step_sync_time(profile, dp * tp * pp, links), overlap_tax=overlap_tax(profile),
     )
 

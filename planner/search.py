@@ -37,6 +37,8 @@ from meshplan.planner.cost_model import (
     evaluate,
     fixed_bytes,
     gather_workspace,
+    grad_bytes,
+    grad_moments,
     grad_sync,
     grads_idle,
     in_flight,
@@ -102,8 +104,11 @@ def schedules(pp: int, m: int, num_layers: int, constraints: Constraints, blocks
     """(schedule, virtual stages) that torch.distributed.pipelining can run for this pp and m.
     zero-bubble is emitted only as ZB-V (v = 2, V-shaped placement, ScheduleZBVZeroBubble) to keep the
     executor's mapping simple; Schedule1F1B and ZBV need m ≥ pp; interleaved needs m % pp == 0. Unpinned,
-    interleaving takes v = 2 and the v whose pp·v chunks split the `blocks` evenly (Megatron-LM's rule): an
-    uneven chunk delays every micro-batch that passes it, and each v costs an ILP."""
+    interleaving takes v = 2 and the v whose pp·v chunks split the `blocks` evenly (Megatron-LM's rule), or
+    split them evenly with the embedding and the head counted as a layer each (Megatron-Core's
+    account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split; Llama 3 §3.3.2 takes one
+    layer off the first and the last stage): an uneven chunk delays every micro-batch that passes it, and
+    each v costs an ILP."""
     pin_s, pin_v = constraints.schedule, constraints.virtual_stages
     if pp == 1:
         options = [("1f1b", 1), ("gpipe", 1)] if pin_s in (None, "1f1b", "gpipe") else []
@@ -118,7 +123,8 @@ def schedules(pp: int, m: int, num_layers: int, constraints: Constraints, blocks
             yield "1f1b", 1
     if pin_s in (None, "interleaved-1f1b") and m % pp == 0:
         vs = [pin_v] if pin_v is not None else [v for v in range(2, MAX_VIRTUAL_STAGES + 1)
-                                                if v == 2 or not blocks or blocks % (pp * v) == 0]
+                                                if v == 2 or not blocks or blocks % (pp * v) == 0
+                                                or (blocks + 2) % (pp * v) == 0]
         for v in vs:
             if v >= 2 and pp * v <= num_layers:
                 yield "interleaved-1f1b", v
@@ -293,7 +299,7 @@ class Search:
                             agg["workspace"] if cand.zero >= 3 and dp > 1 else 0.0)
         limit = self.limit(cand)
         left = [limit - f for f in fixed]
-        kept = state_kept(grads_idle(agg["state_bytes"], cand.m, inflight))
+        kept = state_kept(grads_idle(agg["state_bytes"], self._moments(cand.schedule, pp, cand.v, cand.m)))
         block_state = agg["block_state_min"] * kept
         for i, params_state, kind in agg["ends"]:
             r = rank[0] if i < q.first_block else rank[-1]
@@ -408,7 +414,7 @@ class Search:
                 block_state=sum(state[i] for i in blocks),
                 block_state_min=min((state[i] for i in blocks), default=0.0),
                 ends=[(i, state[i], k) for i, k in enumerate(kinds) if k != "block"],
-                state_bytes=state_bytes_per_param(self.c.dtype, zero, dp, sync.full_grads),
+                state_bytes=state_bytes_per_param(self.c.dtype, zero, dp, sync.full_grads, grad_bytes(self.profile)),
                 workspace=gather_workspace(self.model, tp, self.c.dtype))
         return self.terms.memo[key]
 
@@ -416,6 +422,12 @@ class Search:
         key = ("ranks", pp, schedule, v)
         if key not in self.terms.memo:
             self.terms.memo[key] = [stage_rank(k, pp, schedule, v) for k in range(pp * v)]
+        return self.terms.memo[key]
+
+    def _moments(self, schedule: str, pp: int, v: int, m: int) -> list[tuple[tuple[float, float], ...]]:
+        key = ("moments", schedule, pp, v, m)
+        if key not in self.terms.memo:
+            self.terms.memo[key] = [grad_moments(schedule, pp, v, m, r) for r in range(pp)]
         return self.terms.memo[key]
 
     def _inflight(self, schedule: str, pp: int, v: int, m: int) -> list[float]:
@@ -682,7 +694,8 @@ def infeasible_message(search: Search) -> str:
     """Exit 3: the nearest candidate, by how much it exceeds memory where, and what would make it fit."""
     near = search.nearest()
     c, dev = search.c, search.cluster.device
-    state = sum(layer.params for layer in search.model.layers) * 16.0
+    per_param = sum(state_bytes_per_param(c.dtype, 0, 1, grad=grad_bytes(search.profile)))
+    state = sum(layer.params for layer in search.model.layers) * per_param
     need_devices = int(-(-state // (dev.memory_bytes * (1 - c.memory_margin))))
     hints = []
     if c.zero is not None and c.zero < 3:
@@ -696,7 +709,7 @@ def infeasible_message(search: Search) -> str:
             hints.append(f"dropping {flag} {value}")
     if c.memory_margin > 0.01:
         hints.append(f"a smaller --memory-margin than {c.memory_margin}")
-    hints.append(f"more devices (model state alone is {human_bytes(state)} at 16 B/param: at least "
+    hints.append(f"more devices (model state alone is {human_bytes(state)} at {per_param:g} B/param: at least "
                  f"{need_devices} devices of {human_bytes(dev.memory_bytes)} with ZeRO-3)")
     tried = [name for name, pin in (("ZeRO level", c.zero), ("recompute mode", c.recompute),
                                     ("micro-batch size", c.micro_batch_size)) if pin is None]
@@ -748,7 +761,8 @@ def _parallel(search: Search, scored: Scored) -> ParallelConfig:
 def to_plan(search: Search, results: list[Scored], stats: SearchStats) -> Plan:
     best = results[0]
     cand, sol = best.cand, best.solution
-    pb, gb, ob = state_bytes_per_param(search.c.dtype, cand.zero, cand.dp, grad_sync(cand).full_grads)
+    pb, gb, ob = state_bytes_per_param(search.c.dtype, cand.zero, cand.dp, grad_sync(cand).full_grads,
+                                        grad_bytes(search.profile))
     total = pb + gb + ob
     ev = evaluate(best.problem, sol.bounds, sol.recompute, (pb / total, gb / total, ob / total))
     stages, m = [], cand.m

@@ -19,7 +19,8 @@ CLIP_BYTES_PER_PARAM = 12.0
 
 
 def device_roofline(cluster: ClusterSpec, dtype: str, attention: str = "flash", activations: str = "gathered",
-                    grad_overlap: bool = True, sequence_parallel: bool = True) -> Roofline | None:
+                    grad_overlap: bool = True, sequence_parallel: bool = True, grad_bytes: int = 4,
+                    grad_reduce: str = "reduce_scatter") -> Roofline | None:
     """The per-operation model of a GPU preset (None for a CPU or a device without SM count); the
     software settings default to the executor's (profiler/roofline.py)."""
     d = cluster.device
@@ -29,7 +30,8 @@ def device_roofline(cluster: ClusterSpec, dtype: str, attention: str = "flash", 
                     hbm_Bps=d.memory_bandwidth_Bps, hbm_fraction=d.memory_efficiency,
                     attention_flops=d.attention_flops, launch_s=d.kernel_launch_s, attention=attention,
                     activations=activations, grad_overlap=grad_overlap, sequence_parallel=sequence_parallel,
-                    pace=1.0 - d.device_spread if cluster.world_size > 1 else 1.0, comm_sms=d.comm_sms)
+                    pace=1.0 - d.device_spread if cluster.world_size > 1 else 1.0, comm_sms=d.comm_sms,
+                    grad_bytes=grad_bytes, grad_reduce=grad_reduce, gemm_k0=d.gemm_k0, gemm_k_ref=d.gemm_k_ref)
 
 
 def preset_profile(model: ModelSpec, cluster: ClusterSpec, dtype: str = "bf16", **software) -> Profile:

@@ -3,8 +3,9 @@ figures (docs/sources/hardware_constants.md):
 
 - GEMMs by shape (M, N, K): the largest-GEMM ceiling measured on the device (MAMF) times cuBLAS's tile
   and wave quantisation (NVIDIA Matrix Multiplication Background guide §3.1-3.2: 256x128 output tiles,
-  the most efficient cuBLAS tile, §2.3; one wave = one tile per SM), bounded below by the bytes moved
-  over HBM (roofline). Backward = the two GEMMs of dX and dW.
+  the most efficient cuBLAS tile, §2.3; one wave = one tile per SM) and, where a K sweep is published,
+  the share of a tile's time its K loop takes (K/(K + K0)), bounded below by the bytes moved over HBM
+  (roofline). Backward = the two GEMMs of dX and dW.
 - Causal attention, fused (flash): FLOPs of the causal core (flash-attention's own count: half of
   4·b·s²·heads·head_dim forward, 2.5x that backward) at flash-attention-2's measured fwd+bwd rate for
   the device, sequence length and head size. Unfused (Megatron-LM before flash attention, with dropout
@@ -29,6 +30,7 @@ from meshplan.profiler.moe_cost import block_ffn_time_correction
 
 ATTENTION = ("flash", "unfused")
 ACTIVATIONS = ("gathered", "sharded")
+GRAD_REDUCE = ("reduce_scatter", "all_reduce")
 TILE_M, TILE_N = 256, 128  # cuBLAS's most efficient tile (Matrix Multiplication Background guide §2.3)
 
 
@@ -61,6 +63,16 @@ class Roofline:
     # ml-engineering compute/accelerator/README.md, "Not all accelerators are created equal"). 1: one GPU.
     pace: float = 1.0
     comm_sms: int = 0  # SMs an overlapped NCCL collective occupies (planner/cost_model.overlap_tax)
+    # Gradients held and reduced over data parallelism: 4 bytes (fp32) as the executor, Megatron-LM in bf16,
+    # DeepSpeed's BF16_Optimizer and Llama 3 run them (planner/cost_model.py); 2 for Megatron-LM in fp16
+    # (its default, accumulate_allreduce_grads_in_fp32 off). grad_reduce "all_reduce": ZeRO-1 that
+    # all-reduces whole gradients and updates its optimizer shard (DeepSpeed's BF16_Optimizer), else a
+    # reduce-scatter.
+    grad_bytes: int = 4
+    grad_reduce: str = "reduce_scatter"
+    # GEMM tile fixed cost in units of K, and the K of the MAMF shape (planner/cluster_spec.py); 0: none
+    gemm_k0: float = 0.0
+    gemm_k_ref: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -81,7 +93,9 @@ class Roofline:
                    f.str("activations", choices=ACTIVATIONS, default="gathered"),
                    f.bool("grad_overlap", default=True), f.bool("sequence_parallel", default=True),
                    f.int("dtype_bytes", min=1, default=2), pace,
-                   f.int("comm_sms", min=0, default=0))
+                   f.int("comm_sms", min=0, default=0), f.int("grad_bytes", min=1, default=4),
+                   f.str("grad_reduce", choices=GRAD_REDUCE, default="reduce_scatter"),
+                   f.float("gemm_k0", min=0.0, default=0.0), f.float("gemm_k_ref", min=0.0, default=0.0))
 
     # ---- primitives ----
 
@@ -93,9 +107,17 @@ class Roofline:
         waves = math.ceil(tiles / self.sm_count)
         # useful share of the launched tiles (tile quantisation) and of the SM slots (wave quantisation)
         used = m * n * batch / (waves * self.sm_count * TILE_M * TILE_N)
-        compute = 2.0 * m * n * k * batch / (self.peak_flops * self.gemm_fraction * self.pace * min(1.0, used))
+        compute = 2.0 * m * n * k * batch / (self.peak_flops * self.gemm_fraction * self.pace * min(1.0, used)
+                                              * self.k_efficiency(k))
         memory = self.bytes_time((m * k + k * n + m * n) * batch * self.dtype_bytes)
         return max(compute, memory, self.launch_s)
+
+    def k_efficiency(self, k: float) -> float:
+        """Each output tile pays a fixed prologue and epilogue besides its K loop: throughput ∝ K/(K + K0),
+        relative to the MAMF shape's K (at most 1: MAMF is the measured ceiling)."""
+        if self.gemm_k0 <= 0 or self.gemm_k_ref <= 0:
+            return 1.0
+        return min(1.0, k / (k + self.gemm_k0) * (self.gemm_k_ref + self.gemm_k0) / self.gemm_k_ref)
 
     def gemm_fwd_bwd(self, m: float, n: float, k: float) -> tuple[float, float]:
         """Y[m,n] = X[m,k] W[k,n]: forward, and backward dX = dY Wᵀ plus dW = Xᵀ dY."""

@@ -63,12 +63,12 @@ def test_expert_state_is_split_over_ep_and_sharded_over_expert_dp(profile):
     cand = Candidate(dp=16, tp=1, pp=1, v=1, schedule="1f1b", b=1, m=2, zero=1, recompute="none", ep=8)
     terms = ep_terms(Terms(MIXTRAL, profile, 4096, "bf16"), cand, "intra_node")
     state = terms.per_layer(1, 16, 1, "inter_node", GradSync(False, 1))[0]
-    # ZeRO-1, bf16: parameter 2 + gradient 2 + optimizer 12/shards bytes per parameter
-    rest = (block - experts) * (2 + 2 + 12 / 16)  # over dp x cp = 16
-    local_experts = experts / 8 * (2 + 2 + 12 / 2)  # 1 expert per rank, optimizer over edp = 16/8 = 2
+    # ZeRO-1, bf16: parameter 2 + fp32 gradient 4 + optimizer 12/shards bytes per parameter
+    rest = (block - experts) * (2 + 4 + 12 / 16)  # over dp x cp = 16
+    local_experts = experts / 8 * (2 + 4 + 12 / 2)  # 1 expert per rank, optimizer over edp = 16/8 = 2
     assert state[1] == pytest.approx(rest + local_experts)
     dense = Terms(MIXTRAL, profile, 4096, "bf16").per_layer(1, 16, 1, "inter_node", GradSync(False, 1))[0]
-    assert dense[1] == pytest.approx(block * (2 + 2 + 12 / 16))  # ep = 1: every expert on every rank
+    assert dense[1] == pytest.approx(block * (2 + 4 + 12 / 16))  # ep = 1: every expert on every rank
 
 
 def test_block_time_carries_the_all_to_alls(profile):

@@ -8,14 +8,18 @@ from meshplan.planner.cost_model import (
     Candidate,
     Links,
     StageProblem,
+    Workspace,
     bubble_micro_batches,
     build_problem,
     crossings,
     dp_ops,
     dp_sync_time,
+    emb_in_flight,
     evaluate,
+    grad_moments,
     in_flight,
     optimizer_time,
+    peak_memory,
     pipeline_stage_time,
     root_hook_time,
     sharded_dp_time,
@@ -29,12 +33,16 @@ from meshplan.planner.model_sources import builtin_model
 from meshplan.profiler.presets import preset_profile
 
 
-def test_adam_mixed_precision_is_16_bytes_per_param():
-    assert sum(state_bytes_per_param("bf16", 0, 8)) == 16.0
+def test_adam_mixed_precision_bytes_per_param():
+    """18 B with fp32 gradients (the executor, Megatron-LM bf16); ZeRO's 16 B where gradients stay 16-bit."""
+    assert sum(state_bytes_per_param("bf16", 0, 8)) == 18.0
+    assert sum(state_bytes_per_param("bf16", 0, 8, grad=2.0)) == 16.0
     assert sum(state_bytes_per_param("fp32", 0, 1)) == 16.0  # 4 + 4 + 8, no master copy
-    assert state_bytes_per_param("bf16", 1, 8) == (2.0, 2.0, 12.0 / 8)
-    assert state_bytes_per_param("bf16", 2, 8) == (2.0, 2.0 / 8, 12.0 / 8)
-    assert state_bytes_per_param("bf16", 3, 8) == (2.0 / 8, 2.0 / 8, 12.0 / 8)
+    assert sum(state_bytes_per_param("fp32", 0, 1, grad=2.0)) == 16.0  # fp32 training keeps fp32 gradients
+    assert state_bytes_per_param("bf16", 1, 8) == (2.0, 4.0, 12.0 / 8)
+    assert state_bytes_per_param("bf16", 2, 8) == (2.0, 4.0 / 8, 12.0 / 8)
+    # ZeRO-3 in mixed precision: the fp32 shard is the master copy; 16-bit parameters are gathered per unit
+    assert state_bytes_per_param("bf16", 3, 8, grad=2.0) == (0.0, 2.0 / 8, 12.0 / 8)
 
 
 def test_fsdp_state_as_the_executor_holds_it():
@@ -46,8 +54,9 @@ def test_fsdp_state_as_the_executor_holds_it():
     assert state_bytes_per_param("fp32", 3, 2, accumulating=True) == (2.0, 4.0, 4.0)
     # replicate (ZeRO-0) is FSDP2's engine with the whole parameter as its shard
     assert state_bytes_per_param("fp32", 0, 2) == (8.0, 4.0, 8.0)
-    assert state_bytes_per_param("bf16", 0, 2) == (2.0, 2.0, 12.0)
-    assert state_bytes_per_param("bf16", 3, 8, accumulating=True) == (2.0 / 8, 2.0, 12.0 / 8)
+    assert state_bytes_per_param("bf16", 0, 2) == (2.0, 4.0, 12.0)
+    # FSDP2 accumulates unreduced gradients in its reduce dtype, fp32 (to_accumulated_grad_if_needed)
+    assert state_bytes_per_param("bf16", 3, 8, accumulating=True) == (0.0, 4.0, 12.0 / 8)
     assert state_bytes_per_param("fp32", 3, 1, accumulating=True) == (4.0, 4.0, 8.0)  # no data parallelism
 
 
@@ -86,9 +95,9 @@ def test_memory_terms_by_hand():
     bounds = [0, 9, 17, 25, 34]
     ev = evaluate(P, bounds, [0, 0, 0, 0])
     block = model.layers[1].params
-    # rank 1: 8 blocks, 16 B/param, 3 micro-batches in flight (1F1B, pp=4)
+    # rank 1: 8 blocks, 18 B/param (fp32 gradients), 3 micro-batches in flight (1F1B, pp=4)
     act = profile.activation_bytes("block", 1, 2048, 1, "none", False)
-    assert ev.rank_memory[1] == pytest.approx(8 * block * 16 + 3 * 8 * act)
+    assert ev.rank_memory[1] == pytest.approx(8 * block * 18 + 3 * 8 * act)
     # llama3-8b's block in bf16 (profiler.analytic), per token: two RMSNorm inputs (+ fp32 rstd) and outputs,
     # q, k, v (GQA: 8 of 32 heads) and the output, SwiGLU's four f-wide tensors, fp32 log-sum-exp; + rotary tables
     h, f, s = model.hidden_size, model.ffn_hidden_size, 2048
@@ -98,7 +107,7 @@ def test_memory_terms_by_hand():
     # rank 0 holds the embedding (untied) and 4 in-flight micro-batches
     emb = model.layers[0]
     emb_act = profile.activation_bytes("embedding", 1, 2048, 1, "none", False)
-    assert ev.rank_memory[0] == pytest.approx((emb.params + 8 * block) * 16 + 4 * (8 * act + emb_act))
+    assert ev.rank_memory[0] == pytest.approx((emb.params + 8 * block) * 18 + 4 * (8 * act + emb_act))
 
 
 def test_recompute_reduces_activations_and_adds_time():
@@ -122,12 +131,12 @@ def test_tied_head_copy_in_the_last_stage():
     links = Links("intra_node", "intra_node", "intra_node")
     cand = Candidate(dp=1, tp=1, pp=2, v=1, schedule="1f1b", b=1, m=4, zero=0, recompute="none")
     P = build_problem(model, profile, cand, 1024, "bf16", links, math.inf, [True] * len(model.layers))
-    assert P.fixed == [0.0, model.vocab_size * model.hidden_size * 16.0]
+    assert P.fixed == [0.0, model.vocab_size * model.hidden_size * 18.0]
     # V-shaped zero-bubble puts the head back on rank 0 with the embedding, but in another stage module
     # (executor/train.py keeps a copy per stage and sums their gradients): the copy is on rank 0
     cand = Candidate(dp=1, tp=1, pp=2, v=2, schedule="zero-bubble", b=1, m=4, zero=0, recompute="none")
     P = build_problem(model, profile, cand, 1024, "bf16", links, math.inf, [True] * len(model.layers))
-    assert P.rank == [0, 1, 1, 0] and P.fixed == [model.vocab_size * model.hidden_size * 16.0, 0.0]
+    assert P.rank == [0, 1, 1, 0] and P.fixed == [model.vocab_size * model.hidden_size * 18.0, 0.0]
 
 
 def test_iteration_time_formula():
@@ -152,6 +161,59 @@ def test_data_parallel_collectives_follow_the_executor_engines():
     assert sharded_dp_time(profile, 1000, "bf16", 8, 2, "intra_node") == 0.0
     assert sharded_dp_time(profile, 1000, "bf16", 8, 3, "intra_node") == pytest.approx(
         2 * profile.collective_time("all_gather", 2000, 8, "intra_node"))
+
+
+def test_gradients_reduce_in_fp32_and_parameters_gather_in_bf16():
+    """The executor reduces gradients in fp32 (MixedPrecisionPolicy reduce_dtype) and gathers 16-bit
+    parameters; a preset's software can say otherwise (Megatron-LM fp16: 2-byte gradients; DeepSpeed's
+    BF16_Optimizer: an all-reduce at ZeRO-1)."""
+    from dataclasses import replace
+
+    model = builtin_model("tiny")
+    profile = preset_profile(model, parse_cluster("8xa100-80gb"))
+    n = 50e6
+    rs, ag = (profile.collective_time(op, n * b, 8, "intra_node")
+              for op, b in (("reduce_scatter", 4), ("all_gather", 2)))
+    assert dp_sync_time(profile, n, "bf16", 8, 1, "intra_node") == pytest.approx(rs + ag)
+    assert dp_sync_time(profile, n, "bf16", 8, 0, "intra_node") == pytest.approx(
+        profile.collective_time("all_reduce", n * 4, 8, "intra_node"))
+    fp16 = replace(profile, roofline=replace(profile.roofline, grad_bytes=2))
+    assert dp_sync_time(fp16, n, "bf16", 8, 1, "intra_node") == pytest.approx(
+        profile.collective_time("reduce_scatter", n * 2, 8, "intra_node") + ag)
+    ds = replace(profile, roofline=replace(profile.roofline, grad_reduce="all_reduce"))
+    assert dp_sync_time(ds, n, "bf16", 8, 1, "intra_node") == pytest.approx(
+        profile.collective_time("all_reduce", n * 4, 8, "intra_node") + ag)
+    assert dp_sync_time(ds, n, "bf16", 8, 3, "intra_node") == pytest.approx(rs)  # ZeRO-3 reduce-scatters
+
+
+def test_gradients_appear_chunk_by_chunk():
+    """grad_moments by hand from Megatron-LM's order. 1F1B with a steady phase: the peak holds every
+    gradient. m ≤ in-flight: all forwards first, then (m−1) micro-batches with the gradients. Interleaved
+    pp=16, v=2, m=16 on rank 9: 29 chunk micro-batches at the peak (warm-up 28 + 1), 4 steady backwards
+    of chunk 1 (half the gradients); chunk 0's first backward (k=16) comes 13 cool-down backwards later
+    with 16 in flight, and ends with 15 and all gradients."""
+    assert grad_moments("1f1b", 4, 1, 8, 0) == ((4.0, 1.0),)
+    assert grad_moments("1f1b", 4, 1, 2, 0) == ((2.0, 0.0), (1.0, 1.0))
+    assert grad_moments("gpipe", 4, 1, 8, 1) == ((8.0, 0.0), (7.0, 1.0))
+    assert grad_moments("interleaved-1f1b", 16, 2, 16, 9) == ((14.5, 0.5), (7.5, 1.0))
+    assert grad_moments("interleaved-1f1b", 16, 2, 16, 0) == ((16.0, 0.0), (15.5, 0.5), (7.5, 1.0))
+    # ZB-V (torch's order, rank 1 of 16, m = 16): chunk 1's first weight-grad comes at the peak, chunk 0's
+    # eight micro-batches later
+    assert grad_moments("zero-bubble", 4, 2, 8, 0) == ((4.0, 1.0),)
+    assert grad_moments("zero-bubble", 16, 2, 16, 1) == ((16.0, 0.5), (8.0, 1.0))
+
+
+def test_peak_memory_takes_the_largest_gradient_moment():
+    ws = Workspace([0.0], [0.0], [0.0], [])
+    # state 100 of which 40 gradients; act 10 per micro-batch: peak (16, none) = 60 + 160 = 220,
+    # later (7.5, all) = 100 + 75 = 175, the embedding's (7, all) = 170
+    assert peak_memory(100, 0, 16, 10, 0, ws, 0, 0.4, ((7.5, 0.0),), 7.0) == pytest.approx(220)
+    assert peak_memory(100, 0, 16, 1, 0, ws, 0, 0.4, ((7.5, 0.0),), 7.0) == pytest.approx(107.5)
+    # by default the embedding's moment is one micro-batch below the peak, all gradients held
+    assert peak_memory(100, 0, 16, 10, 0, ws, 0, 0.4) == pytest.approx(250)
+    assert [emb_in_flight("interleaved-1f1b", 16, 2, 16, r) for r in (0, 9)] == [7.5, 7.5]
+    assert emb_in_flight("1f1b", 4, 1, 8, 1) == 2.0
+    assert emb_in_flight("zero-bubble", 4, 2, 8, 0) == 3.5  # stage 0's first W: 7 chunk micro-batches left
 
 
 def _with_engines(profile, hook_s: float, sync_s: float, ratio: float):
@@ -376,7 +438,8 @@ def test_in_situ_factor_takes_the_units_from_the_model():
     units = wrapped_unit_params(model, 2)
     assert units[-1] == model.vocab_size * model.hidden_size + 256 * model.hidden_size + 2 * model.hidden_size
     right = WrapperSample("replicate", 2, 1, 128, units, 0.001, 0.05, 1.0)
-    ref = sum(profile.collective_time("all_reduce", n * DTYPE_BYTES[profile.dtype], 2, "intra_node") for n in units)
+    # the executor reduces gradients in fp32 whatever the compute dtype
+    ref = sum(profile.collective_time("all_reduce", n * DTYPE_BYTES["fp32"], 2, "intra_node") for n in units)
     profile.wrappers = [right]
     assert in_situ_factor(profile, 0) == pytest.approx(0.05 / ref)
     profile.wrappers = [replace(right, unit_params=units[:-1] + [99072])]  # as stored before this fix
@@ -389,10 +452,25 @@ def test_zero2_without_pipelining_keeps_gradients_sharded_and_reduces_every_micr
     model, profile, z1 = _problem(dp=8, pp=1, zero=1, m=4)
     _, _, z2 = _problem(dp=8, pp=1, zero=2, m=4)
     block = model.layers[1].params
-    assert z1.state[1] - z2.state[1] == pytest.approx(block * 2 * (1 - 1 / 8))  # bf16 gradients ÷ dp
-    reduce_scatter = sum(profile.collective_time("reduce_scatter", layer.params * 2, 8, "intra_node")
+    assert z1.state[1] - z2.state[1] == pytest.approx(block * 4 * (1 - 1 / 8))  # fp32 gradients ÷ dp
+    reduce_scatter = sum(profile.collective_time("reduce_scatter", layer.params * 4, 8, "intra_node")  # fp32
                          for layer in model.layers)
     assert sum(z2.dp) - sum(z1.dp) == pytest.approx(3 * reduce_scatter)
     _, _, z2_pipelined = _problem(dp=4, pp=2, zero=2, m=4)
     _, _, z1_pipelined = _problem(dp=4, pp=2, zero=1, m=4)
     assert z2_pipelined.state == z1_pipelined.state and z2_pipelined.dp == z1_pipelined.dp
+
+
+def test_gradient_moments_in_closed_form_equal_the_walk_of_torchs_orders():
+    """GPipe, 1F1B and interleaved 1F1B (m a multiple of pp, as the search emits it): the closed form
+    equals walking planner/schedule.rank_actions action by action."""
+    from meshplan.planner.cost_model import _looped_moments, _walks
+
+    for schedule, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved-1f1b", (2, 3, 4))):
+        for pp in (1, 2, 3, 4, 8):
+            for v in vs:
+                for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
+                    if schedule == "interleaved-1f1b" and m % pp:
+                        continue
+                    walks = _walks(schedule, pp, v, m)
+                    assert [_looped_moments(schedule, pp, v, m, r) for r in range(pp)] == walks, (schedule, pp, v, m)

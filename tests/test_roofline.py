@@ -24,6 +24,18 @@ def test_gemm_tile_and_wave_quantisation():
     assert A100.gemm(256, 128, 64) >= A100.launch_s
 
 
+def test_gemm_tile_fixed_cost_on_h100():
+    """H100: throughput ∝ K/(K + 198), equal to MAMF at its K (13312). 4096x4096x1024 against the same at
+    K = 4096: 0.8782 of it, the ratio of XLA's measured table (685.2 / 780.2 TFLOP/s) that K0 comes from;
+    MAMF's own shape and longer K run at MAMF; A100 (no published sweep) has no such term."""
+    h100 = device_roofline(parse_cluster("1xh100-80gb"), "bf16")
+    assert h100.k_efficiency(1024) / h100.k_efficiency(4096) == pytest.approx(685.2 / 780.2, rel=2e-3)
+    assert h100.k_efficiency(13312) == pytest.approx(1.0) and h100.k_efficiency(65536) == 1.0
+    t1, t4 = h100.gemm(4096, 4096, 1024), h100.gemm(4096, 4096, 4096)
+    assert (4 * t1) / t4 == pytest.approx(780.2 / 685.2, rel=2e-3)
+    assert A100.k_efficiency(1024) == 1.0
+
+
 def test_gemm_memory_bound_when_k_is_small():
     """QKᵀ per head (s = 2048, head_dim 64): 2·s²·64 FLOPs against s² outputs written in bf16: 64 FLOP/byte,
     below the A100 80GB ridge (271 TFLOP/s ÷ 1.725 TB/s = 157): HBM bound."""

@@ -43,6 +43,9 @@ BINDING = [
     (2_000_000, "2x4xa100-40gb", 4, {}),
     (5_000_000, "4xa100-40gb", 8, dict(global_batch_size=16, pp=4, micro_batch_size=1)),
     (2_500_000, "4xa100-40gb", 6, dict(global_batch_size=8)),
+    # interleaved with m < pp·v: gradients appear chunk by chunk as activations drop (grad_moments)
+    (3_000_000, "4xa100-40gb", 8, dict(pp=2, virtual_stages=2, schedule="interleaved-1f1b", micro_batch_size=1,
+                                       global_batch_size=4)),
 ]
 
 
