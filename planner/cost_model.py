@@ -361,8 +361,8 @@ def state_bytes_per_param(dtype: str, zero: int, dp: int, accumulating: bool = F
     """(parameter, gradient, optimizer) bytes per parameter on one device under ZeRO level `zero`, at the
     activation peak of a step as the executor runs it. FSDP2 (ZeRO ≥ 1, dp > 1) keeps each parameter's
     fp32 shard, and below ZeRO-3 also the gathered parameter for the whole step (ZeRO-3 gathers it per
-    unit and frees it: `gather_workspace`); with mixed precision
-    the shard is the master copy already in the 12 optimizer bytes, in fp32 it adds p/dp. Micro-batches
+    unit and frees it: `gather_workspace`); with mixed precision the shard is the master copy already in
+    the 12 optimizer bytes, in fp32 it adds p/dp. Micro-batches
     that skip the reduction keep unsharded gradients (torch FSDPParamGroup.post_backward), so where the
     reduction waits for the last micro-batch (`accumulating`: `GradSync.full_grads`) ZeRO-2/3 hold full
     gradients too. ZeRO-0 (`replicate`, FSDP2's engine on a replicated mesh) keeps a whole fp32 copy as
@@ -609,8 +609,8 @@ class StageProblem:
     recompute: str  # "free": 0..n per stage; "none"; "all"
     ws: Workspace  # the step's transient bytes (peak_memory)
     grads_idle: list[float]  # per rank: share of `state` not yet allocated at the activation peak
-    later: list[tuple[tuple[float, float], ...]] = field(default_factory=list)  # per rank: later_moments
-    emb_inflight: list[float] = field(default_factory=list)  # per rank: emb_in_flight
+    later: list[tuple[tuple[float, float], ...]]  # per rank: later_moments
+    emb_inflight: list[float]  # per rank: emb_in_flight
     cuts: list[bool] = field(default_factory=list)  # cuts[l]: a stage may start at layer l (l ≥ 1)
     # per stage: the part of `boundary` that is not the stage's own work in the shared-core simulation,
     # and the wait it puts on each hop instead (cost_model.pipeline_busy_wait); empty: none
@@ -732,8 +732,7 @@ def evaluate(problem: StageProblem, bounds: list[int], recompute: list[int],
         tails.append((exposed, sum(rows[s]["opt"] for s in stages) + P.step_sync))
         mem.append(peak_memory(sum(rows[s]["state"] for s in stages), P.fixed[r], P.inflight[r],
                                sum(rows[s]["act"] for s in stages), sum(rows[s]["opt_ws"] for s in stages), P.ws, r,
-                               P.grads_idle[r], P.later[r] if P.later else (),
-                               P.emb_inflight[r] if P.emb_inflight else None))
+                               P.grads_idle[r], P.later[r], P.emb_inflight[r]))
     tau_max, tail = max(tau), max(e + o for e, o in tails)
     results = []
     p_frac, g_frac, o_frac = state_split

@@ -165,10 +165,9 @@ def _rank_rows(prob: pulp.LpProblem, P: StageProblem, rank_expr, min_memory: boo
         prob += tail >= pc["opt"] + P.unhidden * pc["dp"], f"tail_bucket_{r}"
         base = pc["state"] + P.fixed[r] / MiB  # cost_model.peak_memory: one row per transient moment
         moments = {"act": P.inflight[r] * pc["act"] + P.ws.act[r] / MiB - P.grads_idle[r] * pc["state"],
-                   "emb": (P.emb_inflight[r] if P.emb_inflight else max(P.inflight[r] - 1.0, 0.0)) * pc["act"]
-                   + P.ws.emb[r] / MiB,
+                   "emb": P.emb_inflight[r] * pc["act"] + P.ws.emb[r] / MiB,
                    "opt": pc["opt_ws"] + P.ws.opt[r] / MiB}
-        for j, (n, idle) in enumerate(P.later[r] if P.later else ()):
+        for j, (n, idle) in enumerate(P.later[r]):
             moments[f"act{j + 1}"] = n * pc["act"] + P.ws.act[r] / MiB - idle * pc["state"]
         for name, extra in moments.items():
             if min_memory:
@@ -272,8 +271,7 @@ def solve_counts(P: StageProblem, solver: str | None = None, min_memory: bool = 
         n.append(prob.add_variable(f"n_{r}", lowBound=low, upBound=L, cat="Integer"))
         rec.append(_recompute_var(prob, P, f"r_{r}", n[r]))
         signature.append((low, 0 in stages, S - 1 in stages, P.inflight[r], P.fixed[r], P.ws.act[r], P.ws.emb[r],
-                          P.ws.opt[r], P.grads_idle[r], P.later[r] if P.later else (),
-                          P.emb_inflight[r] if P.emb_inflight else None,
+                          P.ws.opt[r], P.grads_idle[r], P.later[r], P.emb_inflight[r],
                           sum(P.boundary[s] for s in stages)))
     prob += pulp.lpSum(n) == L, "all_blocks"
     for r in range(1, P.pp):

@@ -215,3 +215,22 @@ def test_all_reduce_across_nodes_takes_the_faster_of_ring_and_tree():
     assert hier >= 8 * alpha + 2 * small / 8 / (TREE_BW_SHARE * bw) - 1e-12
     assert profile.collective_time("reduce_scatter", small, n, "inter_node") == pytest.approx(
         (n - 1) * alpha + (n - 1) / n * small / bw)
+
+
+def test_bad_gemm_and_gradient_fields_are_one_line_errors():
+    """The cluster file's GEMM tile cost and a profile roofline's gradient settings: one line naming the field."""
+    from meshplan.planner.cluster_spec import DeviceSpec
+    from meshplan.planner.errors import InputError
+    from meshplan.profiler.roofline import Roofline
+
+    gpu = asdict(parse_cluster("8xh100-80gb").device)
+    assert DeviceSpec.from_dict(gpu, "d").gemm_k0 == 198.0
+    for key in ("gemm_k0", "gemm_k_ref"):
+        with pytest.raises(InputError, match=rf"^d\.{key}: expected a number >= 0\.0"):
+            DeviceSpec.from_dict({**gpu, key: -1}, "d")
+    data = A100.to_dict()
+    with pytest.raises(InputError, match=r"^r\.grad_reduce: expected one of"):
+        Roofline.from_dict({**data, "grad_reduce": "broadcast"}, "r")
+    with pytest.raises(InputError, match=r"^r\.grad_bytes: expected"):
+        Roofline.from_dict({**data, "grad_bytes": 0}, "r")
+    assert Roofline.from_dict({**data, "grad_bytes": 2}, "r").grad_bytes == 2
