@@ -65,6 +65,11 @@ SOFTWARE = {
 }
 
 
+# Context parallelism as each source ran it: Llama 3 all-gathers K and V before attention ("our CP
+# implementation is all-gather based", arXiv:2407.21783 §3.3.2).
+CP_MODE = {"llama3_herd_2024": "all-gather"}
+
+
 # Interconnects that differ from the preset's DGX fabric, as the source documents them: BLOOM's Jean Zay nodes
 # had 4 x 100 Gb/s Omni-Path links per node of 8 A100s (BLOOM paper, arXiv:2211.05100 §3.4.1), 6.25 GB/s
 # per GPU, nominal (no measured bus bandwidth published).
@@ -136,16 +141,17 @@ def constraints_of(row: dict, pinned: bool) -> Constraints:
     schedule = "interleaved-1f1b" if v > 1 else ("1f1b" if lay["pp"] > 1 else None)
     if lay.get("virtual_stages") is None:  # not published: the planner picks the schedule
         schedule = None
+    cp = lay.get("cp") or 1
     return replace(c, tp=lay["tp"], pp=lay["pp"], dp=lay["dp"], micro_batch_size=lay.get("micro_batch_size"),
                    virtual_stages=v if v > 1 else None, schedule=schedule, recompute=lay.get("recompute"),
-                   zero=lay.get("zero"))
+                   zero=lay.get("zero"), cp=cp, cp_mode=CP_MODE.get(row["source_key"], "ring") if cp > 1 else None)
 
 
 def usable(row: dict) -> bool:
     lay = row["layout"]
     dims = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len")
     complete = all(row["model"].get(k) for k in dims) and bool(lay.get("global_batch_size"))
-    dense_bf16 = not row.get("fp8") and (lay.get("cp") or 1) == 1
+    dense_bf16 = not row.get("fp8")
     return complete and dense_bf16 and row["gpu"] in ("a100-40gb", "a100-80gb", "h100-80gb") \
         and row["num_gpus"] % 8 == 0
 
@@ -165,7 +171,8 @@ def main() -> None:
         cluster = cluster_of(row)
         profile = preset_profile(model, cluster, constraints_of(row, True).dtype, **software(row))
         lay = row["layout"]
-        layout = f"t{lay['tp']} p{lay['pp']} d{lay['dp']} v{lay.get('virtual_stages') or 1} " \
+        cp = f" c{lay['cp']}" if (lay.get("cp") or 1) > 1 else ""
+        layout = f"t{lay['tp']}{cp} p{lay['pp']} d{lay['dp']} v{lay.get('virtual_stages') or 1} " \
                  f"b{lay.get('micro_batch_size') or '?'} {lay.get('recompute') or '?'}"
         target = published_time(row, model)
         try:
@@ -184,7 +191,8 @@ def main() -> None:
             try:
                 fp = find_plan(model, cluster, constraints_of(row, False), profile)
                 p = fp.parallel
-                free = f"t{p.tp} p{p.pp} d{p.dp} v{p.virtual_stages} z{p.zero} b{p.micro_batch_size} {p.recompute}"
+                cp = f" c{p.cp}" if p.cp > 1 else ""
+                free = f"t{p.tp}{cp} p{p.pp} d{p.dp} v{p.virtual_stages} z{p.zero} b{p.micro_batch_size} {p.recompute}"
                 free_s = f"{fp.predicted.iteration_time_s:.2f}"
             except (InfeasibleError, InputError):
                 free = "none"

@@ -2,7 +2,7 @@
 
 Every CP rank holds one chunk of each sequence of its data-parallel batch; the weights are the same on
 all of them (gradients are averaged over the flattened dp x cp mesh by FSDP2/replicate, as torchtitan
-does). Two modes:
+does). Three modes:
 
 - all-to-all (DeepSpeed-Ulysses, Jacobs et al. 2023): each rank holds a contiguous chunk of the
   sequence. Inside attention, one all-to-all per q, k, v swaps the split — sequence gathered, heads
@@ -10,6 +10,11 @@ does). Two modes:
   whole sequence and its share of heads, and one all-to-all brings the output back to the sequence split.
   The collectives are torch's autograd-aware functional ones (`all_to_all_single_autograd`), which run on
   gloo and NCCL alike. Rotary positions are the global positions of the local chunk.
+- all-gather (Llama 3, Dubey et al. 2024 §3.3.2; Megatron-LM's --cp-comm-type all_gather): each rank
+  holds the head-tail chunks of the ring mode; inside attention k and v of every CP rank are gathered
+  (`all_gather_tensor_autograd`, whose backward reduce-scatters dK and dV) and the local SDPA runs the
+  rank's queries against the whole sequence under a causal mask on the global positions. Runs on gloo and
+  NCCL alike.
 - ring (Liu et al. 2023; Megatron-LM CP): torch's own
   `torch.distributed.tensor.experimental.context_parallel`, which replaces SDPA by ring attention. Each rank
   holds chunks c and 2·cp − 1 − c of 2·cp (the head-tail layout of torch's load balancer, which balances
@@ -68,7 +73,8 @@ def check_cp(plan: Plan) -> None:
 
 def chunk_positions(seq_len: int, cp: int, cp_rank: int, mode: str) -> torch.Tensor:
     """Global positions of this CP rank's tokens: a contiguous chunk (all-to-all), or the head-tail pair
-    of chunks c and 2·cp − 1 − c of 2·cp (ring; torch's _HeadTailLoadBalancer lays them out the same)."""
+    of chunks c and 2·cp − 1 − c of 2·cp (ring and all-gather; torch's _HeadTailLoadBalancer lays them out
+    the same), which gives every rank the same causal work."""
     if mode == "all-to-all":
         if seq_len % cp:
             raise InputError(f"plan.parallel.seq_len: {seq_len} must be a multiple of cp={cp}")
@@ -120,6 +126,72 @@ class UlyssesAttention:
         return _heads_to_seq(core(q, k, v), self.cp, self.group)
 
 
+class _Regathered:
+    """A saved tensor that was a view of the gathered K or V, kept as the local chunk and the view."""
+
+    __slots__ = ("local", "size", "stride", "offset")
+
+    def __init__(self, local: torch.Tensor, view: torch.Tensor):
+        self.local, self.size, self.stride, self.offset = local, view.size(), view.stride(), view.storage_offset()
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensors without storage: never a gathered K or V
+        return -1
+
+
+class AllGatherAttention:
+    """The attention core under all-gather CP: `__call__(core, q, k, v)` with q, k, v [b, heads, s/cp, d]
+    (this rank's head-tail chunks) gathers k and v over cp in rank order and runs `core` with the mask
+    "key position <= query position": the local queries are two separate chunks, not a prefix that
+    `is_causal` could describe.
+
+    What the core saves of the gathered K and V for backward is kept as the local chunk and gathered again
+    when backward needs it (saved-tensor hooks), as Megatron-LM's all-gather CP does (Transformer Engine's
+    AttnFuncWithCPAndKVAllGather saves the local k, v and gathers again in backward): activations hold s/cp
+    tokens of K and V, not s. `regather` False: the block is checkpointed whole (full recompute), whose
+    recompute gathers again anyway. Under selective recompute the checkpoint keeps its inputs, the
+    gathered K and V, until backward."""
+
+    def __init__(self, cp_mesh: DeviceMesh, seq_len: int):
+        self.cp = cp_mesh.size()
+        self.group = cp_mesh.get_group()
+        q_pos = chunk_positions(seq_len, self.cp, cp_mesh.get_local_rank(), "all-gather")
+        k_pos = torch.cat([chunk_positions(seq_len, self.cp, r, "all-gather") for r in range(self.cp)])
+        self.mask = q_pos[:, None] >= k_pos[None, :]
+        self.regather = True
+        self.regathers = 0  # gathers backward asked for (tests)
+
+    def __call__(self, core: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.mask.device != q.device:
+            self.mask = self.mask.to(q.device)
+        kg, vg = self._gather(k), self._gather(v)
+        if not (self.regather and torch.is_grad_enabled()):
+            return core(q, kg, vg, attn_mask=self.mask, is_causal=False)
+        local = {_storage(kg): k.detach(), _storage(vg): v.detach()}
+
+        def pack(t: torch.Tensor):
+            chunk = local.get(_storage(t))
+            return t if chunk is None else _Regathered(chunk, t)
+
+        def unpack(saved):
+            if not isinstance(saved, _Regathered):
+                return saved
+            self.regathers += 1
+            full = funcol.all_gather_tensor(saved.local.contiguous(), 2, self.group)
+            full = funcol.wait_tensor(full) if isinstance(full, funcol.AsyncCollectiveTensor) else full
+            return full.as_strided(saved.size, saved.stride, saved.offset)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return core(q, kg, vg, attn_mask=self.mask, is_causal=False)
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        out = funcol.all_gather_tensor_autograd(x.contiguous(), 2, self.group)
+        return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
 class RingAttention:
     """The attention core under ring CP on CUDA: torch's ring SDPA is patched in by `context_parallel`
     around the step (`cp_context`); grouped-query k and v are repeated to the query heads first, as
@@ -140,14 +212,16 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, mode: str, seq_len: int) -> 
     if cp == 1:
         return
     positions = chunk_positions(seq_len, cp, cp_mesh.get_local_rank(), mode)
-    wrapper = UlyssesAttention(cp_mesh) if mode == "all-to-all" else RingAttention()
+    shared = UlyssesAttention(cp_mesh) if mode == "all-to-all" else RingAttention() if mode == "ring" else None
     embedding = getattr(model, "embedding", None)
     if embedding is not None:
         embedding.positions = positions
     for block in model.blocks.values():
         attention = block.attention
         attention.positions = positions
-        attention.cp_attention = wrapper
+        # all-gather: one per block, whose full recompute (executor/parallelize.checkpointed_block) turns
+        # its regathering off
+        attention.cp_attention = shared or AllGatherAttention(cp_mesh, seq_len)
 
 
 def shard_sequence(x: torch.Tensor, y: torch.Tensor, seq_len: int, cp: int, cp_rank: int, mode: str

@@ -132,7 +132,11 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, e
 
 
 def checkpointed_block(block: nn.Module) -> nn.Module:
-    """Full recompute of one block: only its input is kept; the profiler times the same wrapper."""
+    """Full recompute of one block: only its input is kept; the profiler times the same wrapper. All-gather
+    CP inside it keeps nothing of the gathered K and V either: the recompute gathers them again."""
+    cp_attention = getattr(getattr(block, "attention", None), "cp_attention", None)
+    if hasattr(cp_attention, "regather"):
+        cp_attention.regather = False
     return checkpoint_wrapper(block, preserve_rng_state=False)
 
 

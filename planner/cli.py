@@ -101,7 +101,9 @@ def main_parser() -> argparse.ArgumentParser:
                         "tries cp > 1 itself from 8192 tokens on)")
     c.add_argument("--cp-mode", choices=CP_MODES,
                    help="context parallelism: ring (ring attention, load-balanced causal split; torch's "
-                        "context_parallel, CUDA only) or all-to-all (DeepSpeed-Ulysses head scatter; CPU and GPU)")
+                        "context_parallel, CUDA only), all-gather (K and V gathered before attention, as Llama 3 "
+                        "and Megatron-LM's all_gather; CPU and GPU) or all-to-all (DeepSpeed-Ulysses head scatter; "
+                        "CPU and GPU)")
     c.add_argument("--ep", type=positive_int,
                    help="expert-parallel degree of a mixture-of-experts model, carved out of dp x cp: each rank "
                         "holds num_experts/ep experts")

@@ -31,7 +31,7 @@ class Constraints:
     recompute: str | None = None
     zero: int | None = None
     cp: int | None = None  # context parallelism degree (planner/cost_cp.py)
-    cp_mode: str | None = None  # "ring" | "all-to-all"
+    cp_mode: str | None = None  # "ring" | "all-gather" | "all-to-all"
     ep: int | None = None  # expert parallelism degree, carved out of dp x cp (planner/cost_ep.py)
     expert_tp: int | None = None  # the experts' tensor-parallel degree: 1 or tp
     moe_imbalance: float = 1.25  # busiest EP rank's routed rows over the mean (cost_ep.DEFAULT_IMBALANCE)
@@ -44,10 +44,10 @@ class Constraints:
         seq = self.effective_seq_len(model)
         if self.cp is None or self.cp == 1:
             return
-        if self.cp_mode in (None, "ring") and seq % (2 * self.cp):
-            if self.cp_mode == "ring" or seq % self.cp:
-                raise InputError(f"--cp: ring context parallelism splits the sequence into 2 x cp = {2 * self.cp} "
-                                 f"load-balanced chunks; {seq} is not a multiple")
+        if self.cp_mode != "all-to-all" and seq % (2 * self.cp):
+            if self.cp_mode is not None or seq % self.cp:
+                raise InputError(f"--cp: {self.cp_mode or 'ring'} context parallelism splits the sequence into 2 x cp "
+                                 f"= {2 * self.cp} load-balanced chunks; {seq} is not a multiple")
         if self.cp_mode == "all-to-all":
             tp = self.tp or 1
             if seq % self.cp or model.num_heads % (tp * self.cp) or model.num_kv_heads % (tp * self.cp):

@@ -6,8 +6,9 @@ head) runs on s/cp tokens. The attention core of the rank's chunk attends to the
 past: with the zig-zag (head-tail) split, chunks c and 2·cp − 1 − c of 2·cp on rank c, every rank does
 1/cp of the causal core's FLOPs (Megatron-LM CP's load balancing; torch's _HeadTailLoadBalancer), i.e.
 (s/cp)·s of the s·s (causal: half) attention matrix. Ring (Liu et al. 2023, Ring Attention): that work
-runs as cp blocks of s/cp queries x s/cp keys, each at flash-attention's rate for that length. All-to-all
-(Jacobs et al. 2023, DeepSpeed-Ulysses): the core runs whole, on s tokens and heads/(tp·cp) heads.
+runs as cp blocks of s/cp queries x s/cp keys, each at flash-attention's rate for that length; all-gather
+(the same split, its queries against the gathered keys) is timed the same way. All-to-all (Jacobs et al.
+2023, DeepSpeed-Ulysses): the core runs whole, on s tokens and heads/(tp·cp) heads.
 
 Communication per block and micro-batch:
 - ring: cp − 1 exchanges of the local K and V block (2·b·(s/cp)·kv_dim/tp values) with the ring
@@ -15,6 +16,13 @@ Communication per block and micro-batch:
   accumulated dK, dV (twice the bytes), overlapped with one block of the backward attention (Liu et al.
   2023 §3; Megatron-Core's p2p CP). Only what a block's compute cannot hide is exposed:
   (cp − 1)·max(0, t_exchange − t_attention_block).
+- all-gather (Llama 3, Dubey et al. 2024 §3.3.2; Megatron-LM's all_gather): K and V of every rank are
+  gathered before attention (an all-gather of cp·KV block bytes); backward gathers them again (only the
+  local chunk is kept, as Transformer Engine's AttnFuncWithCPAndKVAllGather and the executor do) and
+  reduce-scatters dK, dV; all on the critical path: Llama 3 states the all-gather is exposed, small beside
+  the attention because grouped-query K and V are much smaller than Q. Selective recompute keeps the
+  gathered K and V (the checkpoint's inputs) and full recompute gathers in its recompute instead, so
+  neither gathers again in backward.
 - all-to-all: four all-to-alls in forward (q, k, v in; the output back) and four in backward, each of the
   rank's b·(s/cp)·width/tp values, on the critical path (Jacobs et al. 2023 §3.1). An all-to-all of M
   bytes per rank over n ranks moves (n − 1)/n·M per rank in n − 1 steps: nccl-tests' PERFORMANCE.md
@@ -22,6 +30,7 @@ Communication per block and micro-batch:
   (M = the local tensor) times it.
 
 Memory: activations are counted on s/cp tokens (÷cp, Korthikanti et al. 2022's count applies per token);
+all-gather CP under selective recompute keeps the gathered K and V (`gathered_kv_bytes`);
 ring CP holds the KV blocks in flight as transient buffers (`kv_buffer_bytes`); the logits and the loss
 are ÷cp (each rank's loss covers its tokens).
 """
@@ -40,9 +49,9 @@ from meshplan.planner.cost_model import (
     tp_comm_time,
 )
 from meshplan.planner.model_spec import ModelSpec
+from meshplan.planner.plan import CP_MODES
 from meshplan.profiler.analytic import DTYPE_BYTES, layer_forward_flops
 
-CP_MODES = ("ring", "all-to-all")
 # flash-attention's backward does 2.5x the forward's FLOPs (Dao 2023, FlashAttention-2 §3.1: 5 GEMMs in
 # backward against 2 in forward); profiler/roofline.py times the core with the same ratio.
 FLASH_BACKWARD_RATIO = 2.5
@@ -62,9 +71,10 @@ def causal_core_flops(model: ModelSpec, b: int, s: int, tp: int) -> float:
 def attention_core_time(profile, model: ModelSpec, b: int, s: int, tp: int, cp: int, mode: str
                         ) -> tuple[float, float]:
     """(forward, backward) seconds of the attention core of one CP rank per micro-batch: 1/cp of the
-    causal core. GPU presets (profile.roofline): ring = the core's FLOPs ÷ cp at flash-attention's rate
-    for s/cp-long blocks; all-to-all = the roofline's core on s tokens and heads/(tp·cp). Measured or FLOP
-    profiles: the block's time at s/cp tokens scaled by the extra attention FLOPs (`block_compute_time`)."""
+    causal core. GPU presets (profile.roofline): ring and all-gather = the core's FLOPs ÷ cp at
+    flash-attention's rate for s/cp-long blocks; all-to-all = the roofline's core on s tokens and
+    heads/(tp·cp). Measured or FLOP profiles: the block's time at s/cp tokens scaled by the extra
+    attention FLOPs (`block_compute_time`)."""
     rl = getattr(profile, "roofline", None)
     if rl is None or rl.attention != "flash":
         raise ValueError("attention_core_time needs a GPU preset profile with flash attention")
@@ -123,6 +133,10 @@ def cp_comm_time(profile, model: ModelSpec, b: int, s: int, tp: int, cp: int, mo
         step_b = profile.collective_time("send_recv", 2.0 * kv, 2, link)  # K, V and dK, dV
         fwd = (cp - 1) * max(0.0, step_f - attn_fwd / cp)
         bwd = (cp - 1) * max(0.0, step_b - attn_bwd / cp)
+    elif mode == "all-gather":  # M = the gathered K and V (collective_factors: M is the full tensor)
+        gathered = cp * kv_block_bytes(model, b, s, tp, cp, dtype)
+        fwd = profile.collective_time("all_gather", gathered, cp, link)
+        bwd = fwd + profile.collective_time("reduce_scatter", gathered, cp, link)  # gathered again, dK dV
     else:
         q_dim, kv_dim = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
         per = b * local_seq(s, cp) / tp * DTYPE_BYTES[dtype]
@@ -132,14 +146,25 @@ def cp_comm_time(profile, model: ModelSpec, b: int, s: int, tp: int, cp: int, mo
     return fwd * k, bwd * k
 
 
+def gathered_kv_bytes(model: ModelSpec, b: int, s: int, tp: int, cp: int, mode: str, dtype: str) -> float:
+    """Activation bytes per block beyond the local K and V that `activation_bytes` counts, where all-gather
+    CP keeps the gathered K and V (cp − 1 more KV blocks): under selective recompute, whose checkpointed
+    core holds its inputs until backward; 0 in other modes."""
+    return (cp - 1) * kv_block_bytes(model, b, s, tp, cp, dtype) if mode == "all-gather" and cp > 1 else 0.0
+
+
 def kv_buffer_bytes(model: ModelSpec, b: int, s: int, tp: int, cp: int, mode: str, dtype: str) -> float:
     """Transient bytes of CP at a block's peak. Ring: the KV block being computed on and the one arriving
     (double buffering), and in backward also dK, dV in flight: 2·(KV + dKV) = 4 KV blocks (Megatron-Core's
-    p2p CP). All-to-all: the gathered q, k, v and output of one block, as large as the local ones."""
+    p2p CP). All-gather: in a block's backward the gathered K and V (gathered again, or recomputed) and
+    their dK, dV before the reduce-scatter: 2·cp KV blocks. All-to-all: the gathered q, k, v and output of one
+    block, as large as the local ones."""
     if cp <= 1:
         return 0.0
     if mode == "ring":
         return 4.0 * kv_block_bytes(model, b, s, tp, cp, dtype)
+    if mode == "all-gather":
+        return 2.0 * cp * kv_block_bytes(model, b, s, tp, cp, dtype)
     q_dim, kv_dim = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
     return b * local_seq(s, cp) * (2 * q_dim + 2 * kv_dim) / tp * DTYPE_BYTES[dtype]
 
@@ -182,10 +207,16 @@ class CPTerms(Terms):
             return f, g, c, activation_bytes(self.profile, kind, b, sl, tp, "none", tp > 1)
         return self._get(("kind", kind, b, tp, schedule == "zero-bubble"), make)
 
+    def regather(self, b: int, tp: int) -> float:
+        """Backward's second all-gather of K and V (all-gather mode), which recompute makes unnecessary."""
+        return self.cp_comm(b, tp)[0] if self.mode == "all-gather" else 0.0
+
     def recompute(self, b: int, tp: int, mode: str) -> tuple[float, float, float]:
         """Full recompute runs the block's forward again, its CP communication included; selective runs
         the attention core again: under ring CP that is ring attention with its exchanges, under
-        all-to-all only the local core between the all-to-alls (executor/context_parallel.py)."""
+        all-gather and all-to-all only the local core after the gather or between the all-to-alls
+        (executor/context_parallel.py). All-gather: either way backward does not gather K and V again
+        (`regather`), and selective keeps the gathered K and V (the checkpoint's inputs)."""
         def make():
             if mode == "none" or not self.model.num_layers:
                 return 0.0, 0.0, 0.0
@@ -198,19 +229,25 @@ class CPTerms(Terms):
             rec_tp = tp_comm_time(self.profile, "block", b, sl, h, tp, self.dtype, mode) - base_tp
             if mode == "full":  # the profile's recompute of a block at s/cp tokens, scaled to the CP block
                 f_local = compute_time(self.profile, "block", b, sl, tp)[0]
-                rec = recompute_time(self.profile, "block", b, sl, tp, "full") * f / max(f_local, 1e-30) + cp_f
+                rec = recompute_time(self.profile, "block", b, sl, tp, "full") * f / max(f_local, 1e-30) + cp_f \
+                    - self.regather(b, tp)
             else:  # the core at 1/cp of the causal work (at least the profile's selective recompute at s/cp)
                 rec = max(recompute_time(self.profile, "block", b, sl, tp, "selective"), af) + \
-                    (cp_f if self.mode == "ring" else 0.0)
-            saving = a - activation_bytes(self.profile, "block", b, sl, tp, mode, tp > 1)
+                    (cp_f if self.mode == "ring" else 0.0) - self.regather(b, tp)
+            kept = activation_bytes(self.profile, "block", b, sl, tp, mode, tp > 1)
+            if mode == "selective":
+                kept += gathered_kv_bytes(self.model, b, self.s, tp, self.cp, self.mode, self.dtype)
+            saving = a - kept
             return rec + rec_tp, saving, rec_tp
         return self._get(("rec", b, tp, mode), make)
 
     def side_comm(self, b: int, tp: int, mode: str) -> dict[str, tuple[float, float]]:
-        """Exposed CP seconds of a block, and of its forward again where recompute replays the exchanges
-        (full; selective under ring, whose recomputed core is ring attention)."""
+        """Exposed CP seconds of a block, and what recompute changes: its forward again where recompute
+        replays the exchanges (full; selective under ring, whose recomputed core is ring attention), less
+        backward's second all-gather that all-gather CP then skips (`regather`)."""
         f, g = self.cp_comm(b, tp)
         again = f if mode == "full" or (mode == "selective" and self.mode == "ring") else 0.0
+        again -= self.regather(b, tp) if mode != "none" else 0.0
         return super().side_comm(b, tp, mode) | {"cp": (f + g, again)}
 
     def hop(self, b: int, tp: int, link: str) -> float:
@@ -250,24 +287,24 @@ CP_MIN_SEQ_LEN = 8192
 
 
 def mode_fits(model: ModelSpec, seq: int, tp: int, cp: int, mode: str) -> bool:
-    """Whether the executor can run this CP degree and mode: ring splits the sequence into 2·cp
-    load-balanced chunks; all-to-all scatters heads, so tp·cp divides the query and key/value heads; with
+    """Whether the executor can run this CP degree and mode: ring and all-gather split the sequence into
+    2·cp load-balanced chunks; all-to-all scatters heads, so tp·cp divides the query and key/value heads; with
     sequence parallelism each chunk splits again over tp."""
     if cp == 1:
         return True
     if (seq // cp) % tp if seq % cp == 0 else True:
         return False
-    if mode == "ring":
+    if mode != "all-to-all":
         return seq % (2 * cp) == 0
     return model.num_heads % (tp * cp) == 0 and model.num_kv_heads % (tp * cp) == 0
 
 
 def _modes(cluster, constraints) -> tuple[str, ...]:
-    """Modes the search may choose: the pinned one; on CPU clusters all-to-all only (torch's ring
-    attention has no CPU implementation in torch 2.13, DESIGN.md §7: the executor would refuse it)."""
+    """Modes the search may choose: the pinned one; on CPU clusters all but ring (torch's ring attention
+    has no CPU implementation in torch 2.13, DESIGN.md §7: the executor would refuse it)."""
     if getattr(constraints, "cp_mode", None) is not None:
         return (constraints.cp_mode,)
-    return ("all-to-all",) if cluster.device.kind == "cpu" else CP_MODES
+    return tuple(m for m in CP_MODES if m != "ring") if cluster.device.kind == "cpu" else CP_MODES
 
 
 def cp_degrees(model: ModelSpec, cluster, constraints, tp: int) -> list[int]:

@@ -55,7 +55,7 @@ class Candidate:
     recompute_pinned: bool = False  # True: every block uses `recompute` (the user pinned --recompute)
     order: tuple[str, ...] = ("pp", "dp", "tp")
     cp: int = 1  # context parallelism (planner/cost_cp.py): each rank holds s/cp tokens of every sequence
-    cp_mode: str = "ring"  # ring | all-to-all
+    cp_mode: str = "ring"  # ring | all-gather | all-to-all
     ep: int = 1  # expert parallelism (planner/cost_ep.py), carved out of dp x cp
     expert_tp: int = 1  # 1 or tp: the experts' tensor-parallel degree
 

@@ -38,6 +38,8 @@ def cp_lines(plan: Plan) -> list[str]:
         return []
     exposed = plan.predicted.exposed_communication_s.get("cp")
     comm = {"ring": f"ring: {p.cp - 1} KV exchanges per layer, overlapped with attention blocks",
+            "all-gather": "all-gather: K and V gathered before each layer's attention, dK and dV "
+                          "reduce-scattered after it, exposed",
             "all-to-all": "all-to-all: 4 all-to-alls per layer forward and backward"}[p.cp_mode]
     lines = [f"context parallelism: cp={p.cp} ({comm}); {p.seq_len // p.cp} of {p.seq_len} tokens per rank, "
              f"activations and loss / {p.cp}",

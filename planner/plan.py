@@ -19,7 +19,7 @@ from meshplan.planner.model_spec import ModelSpec
 
 SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)
-CP_MODES = ("ring", "all-to-all")
+CP_MODES = ("ring", "all-gather", "all-to-all")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("fp32", "bf16", "fp16")

@@ -9,6 +9,7 @@ from meshplan.planner.cost_cp import (
     causal_core_flops,
     cp_comm_time,
     cp_degrees,
+    gathered_kv_bytes,
     kv_block_bytes,
     kv_buffer_bytes,
     mode_fits,
@@ -32,6 +33,12 @@ def test_kv_block_and_buffers_by_hand():
     # all-to-all: gathered q, k, v and output: (2 q_dim + 2 kv_dim) per token of the chunk
     assert kv_buffer_bytes(LLAMA, 1, 131072, 1, 4, "all-to-all", "bf16") == 32768 * (2 * 4096 + 2 * 1024) * 2
     assert kv_buffer_bytes(LLAMA, 1, 131072, 1, 1, "ring", "bf16") == 0.0
+    # all-gather: in backward the gathered K, V and their dK, dV (cp blocks each)
+    kv = kv_block_bytes(LLAMA, 1, 131072, 2, 4, "bf16")
+    assert kv_buffer_bytes(LLAMA, 1, 131072, 2, 4, "all-gather", "bf16") == 8 * kv
+    # kept under selective recompute: the gathered K, V instead of the local ones, cp - 1 blocks more
+    assert gathered_kv_bytes(LLAMA, 1, 131072, 2, 4, "all-gather", "bf16") == 3 * kv
+    assert gathered_kv_bytes(LLAMA, 1, 131072, 2, 4, "ring", "bf16") == 0.0
 
 
 def test_ring_comm_exposed_only_beyond_the_attention_block():
@@ -59,6 +66,38 @@ def test_all_to_all_comm_four_each_way():
     want = sum(profile.collective_time("all_gather", per * w, cp, "intra_node") for w in (4096, 1024, 1024, 4096))
     f, b = cp_comm_time(profile, LLAMA, 1, s, tp, cp, "all-to-all", "bf16", "intra_node", 1.0, 1.0)
     assert f == pytest.approx(want) and b == pytest.approx(want)
+
+
+def test_all_gather_comm_gather_and_reduce_scatter_exposed():
+    """Llama 3 §3.3.2: K and V all-gathered before attention, exposed whatever the attention's length;
+    backward gathers them again and reduce-scatters dK, dV of the same size. collective_factors' M is the
+    gathered tensor."""
+    profile = preset_profile(LLAMA, H100)
+    s, cp, tp = 131072, 16, 8
+    gathered = cp * 2 * (s // cp) * 1024 / tp * 2  # cp KV blocks: 2 · s/cp · kv_dim/tp · 2 B
+    f, b = cp_comm_time(profile, LLAMA, 1, s, tp, cp, "all-gather", "bf16", "inter_node", 10.0, 10.0)
+    assert f == pytest.approx(profile.collective_time("all_gather", gathered, cp, "inter_node"))
+    assert b == pytest.approx(f + profile.collective_time("reduce_scatter", gathered, cp, "inter_node"))
+    assert f > 0 and b > f
+
+
+def test_all_gather_activations_and_recompute_by_hand():
+    profile = preset_profile(LLAMA, H100)
+    base = Terms(LLAMA, profile, 32768, "bf16")
+    ag, ring = CPTerms(base, 4, "all-gather", "intra_node"), CPTerms(base, 4, "ring", "intra_node")
+    extra = gathered_kv_bytes(LLAMA, 1, 32768, 2, 4, "all-gather", "bf16")
+    # no recompute: only the local K, V are kept (backward gathers again), as under ring
+    assert ag.kind("block", 1, 2)[3] == pytest.approx(ring.kind("block", 1, 2)[3])
+    assert ag.kind("block", 1, 2)[0] == pytest.approx(ring.kind("block", 1, 2)[0])  # same compute split
+    # selective keeps the gathered K, V (the checkpoint's inputs): it saves less; full keeps the block input
+    assert ag.recompute(1, 2, "selective")[1] == pytest.approx(ring.recompute(1, 2, "selective")[1] - extra)
+    assert ag.recompute(1, 2, "full")[1] == pytest.approx(ring.recompute(1, 2, "full")[1])
+    # per block: forward gather f, backward gather f and reduce-scatter; full recompute gathers in its
+    # recompute instead of backward (net 0), selective not at all in backward (-f)
+    f, g = ag.cp_comm(1, 2)
+    assert ag.side_comm(1, 2, "none")["cp"] == (f + g, 0.0)
+    assert ag.side_comm(1, 2, "full")["cp"] == (f + g, 0.0)
+    assert ag.side_comm(1, 2, "selective")["cp"] == (f + g, -f)
 
 
 def test_block_compute_on_a_flop_profile_by_hand():
@@ -114,14 +153,15 @@ def test_mode_fits_and_degrees():
     assert not mode_fits(LLAMA, 8192, 4, 4, "all-to-all")  # 8 kv heads, tp·cp = 16
     assert mode_fits(LLAMA, 8192, 4, 4, "ring")
     assert not mode_fits(LLAMA, 8190, 1, 2, "ring")
+    assert mode_fits(LLAMA, 8192, 8, 8, "all-gather") and not mode_fits(LLAMA, 8200, 1, 8, "all-gather")
     c = Constraints(global_batch_size=8, seq_len=2048)
     assert cp_degrees(LLAMA, H100, c, 1) == [1]  # short sequences: no cp unless pinned
     assert cp_degrees(LLAMA, H100, Constraints(global_batch_size=8, seq_len=2048, cp=2), 1) == [2]
     assert cp_degrees(LLAMA, H100, Constraints(global_batch_size=8, seq_len=131072), 2) == [1, 2, 4]
-    cpu = parse_cluster("4xcpu")  # ring has no CPU implementation: all-to-all only
+    cpu = parse_cluster("4xcpu")  # ring has no CPU implementation: all-gather and all-to-all
     cands = [x for x in candidates(builtin_model("tiny"), cpu, Constraints(global_batch_size=4, seq_len=64, cp=2,
                                                                           dtype="fp32"), Placer(cpu))]
-    assert cands and {x.cp_mode for x in cands} == {"all-to-all"} and {x.cp for x in cands} == {2}
+    assert cands and {x.cp_mode for x in cands} == {"all-gather", "all-to-all"} and {x.cp for x in cands} == {2}
 
 
 def test_build_problem_with_cp_shards_state_over_dp_cp():
@@ -148,11 +188,16 @@ def test_planner_considers_cp_for_long_sequences_and_pins():
     pinned = find_plan(LLAMA, H100, Constraints(global_batch_size=8, seq_len=131072, cp=4, cp_mode="all-to-all"))
     assert (pinned.parallel.cp, pinned.parallel.cp_mode) == (4, "all-to-all")
     assert pinned.world_size == 8
+    gathered = find_plan(LLAMA, H100, Constraints(global_batch_size=8, seq_len=131072, cp=4, cp_mode="all-gather"))
+    assert (gathered.parallel.cp, gathered.parallel.cp_mode) == (4, "all-gather")
+    assert gathered.predicted.exposed_communication_s["cp"] > 0
 
 
 def test_cp_pins_validated():
     with pytest.raises(InputError, match="--cp"):
         Constraints(global_batch_size=8, seq_len=8190, cp=2, cp_mode="ring").validate(LLAMA, H100)
+    with pytest.raises(InputError, match="all-gather context parallelism splits"):
+        Constraints(global_batch_size=8, seq_len=8196, cp=4, cp_mode="all-gather").validate(LLAMA, H100)
     with pytest.raises(InputError, match="scatters heads"):
         Constraints(global_batch_size=8, seq_len=8192, cp=2, tp=8, cp_mode="all-to-all").validate(
             LLAMA, parse_cluster("2x8xh100-80gb"))

@@ -100,6 +100,24 @@ def test_unexpressible_features_are_named(fmt, kwargs, feature):
     assert all("\n" not in w for w in warnings)
 
 
+@pytest.mark.parametrize("mode, megatron, rotate, deepspeed", [
+    ("ring", "p2p", "alltoall", None), ("all-gather", "allgather", "allgather", None),
+    ("all-to-all", "a2a", "alltoall", 2)])
+def test_context_parallel_in_every_export(mode, megatron, rotate, deepspeed):
+    """Megatron-LM --context-parallel-size / --cp-comm-type, torchtitan context_parallel_degree / its rotate
+    method, DeepSpeed-Ulysses sequence_parallel_size (all-to-all only; the others named on stderr)."""
+    plan = make_plan(model="tiny", cluster="8xa100-80gb", dp=2, cp=2, cp_mode=mode, seq_len=32)
+    warnings: list[str] = []
+    text = to_megatron(plan, warnings)
+    assert "--context-parallel-size 2" in text and f"--cp-comm-type {megatron}" in text
+    titan = to_torchtitan(plan, warnings)
+    assert "context_parallel_degree = 2" in titan and f'context_parallel_rotate_method = "{rotate}"' in titan
+    ds = json.loads(to_deepspeed(plan, warnings))
+    assert ds.get("sequence_parallel_size") == deepspeed
+    if deepspeed is None:
+        assert any(w.startswith(f"context parallelism cp=2 ({mode})") for w in warnings), warnings
+
+
 def test_torchtitan_fqns_cover_every_module_once():
     plan = PLANS["zero_bubble"]()
     names = [n for part in torchtitan_fqns(plan) for n in part]
