@@ -46,16 +46,16 @@ DEFAULT_SOURCES = ("megatron_sc21", "korthikanti_2022", "llama3_herd_2024", "blo
 #   it forces fp32 accumulation and reduction (megatron/training/arguments.py), as do DeepSpeed's BF16_Optimizer,
 #   FSDP with an fp32 reduce dtype (torchtitan, llm-foundry's DEFAULT mixed precision) and Llama 3 (§3.3.4):
 #   the executor's 4 bytes. llm-foundry's PURE mixed precision reduces in bf16.
-# - BLOOM ran Megatron-DeepSpeed on DeepSpeed's pipeline engine with its BF16_Optimizer: the engine reduces
-#   gradients after the last micro-batch (runtime/pipe/schedule.py TrainSchedule: ReduceGrads at the final
-#   step), and the optimizer all-reduces its whole fp32 gradients before stepping its shard
-#   (runtime/pipe/engine.py _bf16_reduce_grads).
+# - BLOOM and MT-NLG ran Megatron-DeepSpeed on DeepSpeed's pipeline engine, which reduces gradients after
+#   the last micro-batch (runtime/pipe/schedule.py TrainSchedule: ReduceGrads at the final step); BLOOM's
+#   BF16_Optimizer all-reduces its whole fp32 gradients before stepping its shard (runtime/pipe/engine.py
+#   _bf16_reduce_grads).
 SOFTWARE = {
     "megatron_sc21": dict(attention="unfused", activations="sharded", grad_overlap=False, grad_bytes=2),
     "korthikanti_2022": dict(attention="unfused", activations="sharded", grad_overlap=False),
     "bloom_bigscience": dict(attention="unfused", activations="sharded", grad_overlap=False,
                              grad_reduce="all_reduce"),
-    "mt_nlg_2022": dict(attention="unfused", activations="sharded"),
+    "mt_nlg_2022": dict(attention="unfused", activations="sharded", grad_overlap=False),
     "llama3_herd_2024": dict(attention="flash", activations="sharded"),
     # Megatron-Core (2024): Transformer Engine's flash attention, activations kept as shards, gradient
     # reduction overlapped; llm-foundry MPT: flash attention under FSDP; torchtitan: the executor's stack.

@@ -219,8 +219,9 @@ class _EPMixin:
             edp = max(1, dp // self.ep)
             experts = model.moe.num_experts * expert_params(model)
             ex = experts / (self.ep * self.expert_tp)
-            bytes_dp = sum(state_bytes_per_param(self.dtype, zero, dp, sync.full_grads, grad_bytes(self.profile)))
-            bytes_edp = sum(state_bytes_per_param(self.dtype, zero, edp, sync.full_grads, grad_bytes(self.profile)))
+            g = grad_bytes(self.profile, self.dtype)
+            bytes_dp = sum(state_bytes_per_param(self.dtype, zero, dp, sync.full_grads, g))
+            bytes_edp = sum(state_bytes_per_param(self.dtype, zero, edp, sync.full_grads, g))
             in_situ = dp > 1 and self.profile.wrapper(zero) is not None
             for i, layer in enumerate(model.layers):
                 if layer.kind != "block" or not is_sparse_block(model, int(layer.name.split(".")[-1])):

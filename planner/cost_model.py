@@ -179,11 +179,12 @@ def dp_ops(zero: int, grad_reduce: str = "reduce_scatter") -> tuple[tuple[str, .
     return ("reduce_scatter",), ("all_gather", "all_gather")
 
 
-def grad_bytes(profile) -> float:
-    """Bytes per gradient element held and reduced over data parallelism: the software's (a preset's
-    roofline), else the executor's fp32 (module docstring)."""
+def grad_bytes(profile, dtype: str) -> float:
+    """Bytes per gradient element held and reduced over data parallelism: fp32 training's 4 whatever
+    the software; in mixed precision the software's (a preset's roofline), else the executor's fp32
+    (module docstring)."""
     r = getattr(profile, "roofline", None)
-    return float(r.grad_bytes) if r is not None else STATE_BYTES["fp32"][1]
+    return float(r.grad_bytes) if r is not None and dtype != "fp32" else STATE_BYTES["fp32"][1]
 
 
 def grad_reduce_op(profile) -> str:
@@ -213,7 +214,7 @@ def grad_sync(cand: Candidate) -> GradSync:
 def _link_time(profile, ops: tuple[str, ...], params: float, dtype: str, dp: int, link_class: str) -> float:
     """`ops` over `params` elements: gradient reductions at `grad_bytes`, parameter gathers at `dtype`."""
     per = {"all_gather": DTYPE_BYTES[dtype]}
-    g = grad_bytes(profile) if dtype != "fp32" else DTYPE_BYTES[dtype]
+    g = grad_bytes(profile, dtype)
     return sum(profile.collective_time(op, params * per.get(op, g), dp, link_class) for op in ops)
 
 
@@ -370,7 +371,7 @@ def state_bytes_per_param(dtype: str, zero: int, dp: int, accumulating: bool = F
     fp32 copy more than plain DDP would). `grad`: bytes per gradient element where the software's differ
     from the executor's (`grad_bytes`)."""
     p, g, o = STATE_BYTES[dtype]
-    g = g if grad is None or dtype == "fp32" else grad
+    g = g if grad is None else grad
     if dp <= 1:
         return p, g, o
     shards = dp if zero >= 1 else 1  # replicate: FSDP2's engine over one shard, the whole parameter
@@ -836,7 +837,8 @@ class Terms:
                   ) -> tuple[list, list, list, list]:
         """(state bytes, optimizer s, per-iteration DP sync s, per-micro-batch sharded DP s) of every layer."""
         def make():
-            pb, gb, ob = state_bytes_per_param(self.dtype, zero, dp, sync.full_grads, grad_bytes(self.profile))
+            g = grad_bytes(self.profile, self.dtype)
+            pb, gb, ob = state_bytes_per_param(self.dtype, zero, dp, sync.full_grads, g)
             by_params: dict[tuple, tuple] = {}
             out: tuple[list, list, list, list] = ([], [], [], [])
             in_situ = dp > 1 and self.profile.wrapper(zero) is not None
@@ -891,7 +893,7 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
     boundary = [root + t for t, _, _ in splits]
     inflight = [in_flight(cand.schedule, pp, v, cand.m, r) for r in range(pp)]
     moments = [grad_moments(cand.schedule, pp, v, cand.m, r) for r in range(pp)]
-    state_bytes = state_bytes_per_param(dtype, zero, dp, sync.full_grads, grad_bytes(profile))
+    state_bytes = state_bytes_per_param(dtype, zero, dp, sync.full_grads, grad_bytes(profile, dtype))
     tied = sum(layer.tied_params for layer in model.layers if layer.kind == "head")
     fixed = fixed_bytes(pp, rank, tied / tp * sum(state_bytes),
                         gather_workspace(model, tp, dtype) if zero >= 3 and dp > 1 else 0.0)

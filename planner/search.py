@@ -414,7 +414,8 @@ class Search:
                 block_state=sum(state[i] for i in blocks),
                 block_state_min=min((state[i] for i in blocks), default=0.0),
                 ends=[(i, state[i], k) for i, k in enumerate(kinds) if k != "block"],
-                state_bytes=state_bytes_per_param(self.c.dtype, zero, dp, sync.full_grads, grad_bytes(self.profile)),
+                state_bytes=state_bytes_per_param(self.c.dtype, zero, dp, sync.full_grads,
+                                                  grad_bytes(self.profile, self.c.dtype)),
                 workspace=gather_workspace(self.model, tp, self.c.dtype))
         return self.terms.memo[key]
 
@@ -694,7 +695,7 @@ def infeasible_message(search: Search) -> str:
     """Exit 3: the nearest candidate, by how much it exceeds memory where, and what would make it fit."""
     near = search.nearest()
     c, dev = search.c, search.cluster.device
-    per_param = sum(state_bytes_per_param(c.dtype, 0, 1, grad=grad_bytes(search.profile)))
+    per_param = sum(state_bytes_per_param(c.dtype, 0, 1, grad=grad_bytes(search.profile, c.dtype)))
     state = sum(layer.params for layer in search.model.layers) * per_param
     need_devices = int(-(-state // (dev.memory_bytes * (1 - c.memory_margin))))
     hints = []
@@ -762,7 +763,7 @@ def to_plan(search: Search, results: list[Scored], stats: SearchStats) -> Plan:
     best = results[0]
     cand, sol = best.cand, best.solution
     pb, gb, ob = state_bytes_per_param(search.c.dtype, cand.zero, cand.dp, grad_sync(cand).full_grads,
-                                        grad_bytes(search.profile))
+                                        grad_bytes(search.profile, search.c.dtype))
     total = pb + gb + ob
     ev = evaluate(best.problem, sol.bounds, sol.recompute, (pb / total, gb / total, ob / total))
     stages, m = [], cand.m

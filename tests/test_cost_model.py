@@ -16,6 +16,7 @@ from meshplan.planner.cost_model import (
     dp_sync_time,
     emb_in_flight,
     evaluate,
+    grad_bytes,
     grad_moments,
     in_flight,
     optimizer_time,
@@ -38,7 +39,10 @@ def test_adam_mixed_precision_bytes_per_param():
     assert sum(state_bytes_per_param("bf16", 0, 8)) == 18.0
     assert sum(state_bytes_per_param("bf16", 0, 8, grad=2.0)) == 16.0
     assert sum(state_bytes_per_param("fp32", 0, 1)) == 16.0  # 4 + 4 + 8, no master copy
-    assert sum(state_bytes_per_param("fp32", 0, 1, grad=2.0)) == 16.0  # fp32 training keeps fp32 gradients
+    # fp32 training keeps fp32 gradients whatever the software's mixed-precision setting (grad_bytes)
+    profile = preset_profile(builtin_model("tiny"), parse_cluster("8xa100-80gb"), "bf16", grad_bytes=2)
+    assert grad_bytes(profile, "bf16") == 2.0 and grad_bytes(profile, "fp32") == 4.0
+    assert grad_bytes(preset_profile(builtin_model("tiny"), parse_cluster("8xa100-80gb"), "bf16"), "bf16") == 4.0
     assert state_bytes_per_param("bf16", 1, 8) == (2.0, 4.0, 12.0 / 8)
     assert state_bytes_per_param("bf16", 2, 8) == (2.0, 4.0 / 8, 12.0 / 8)
     # ZeRO-3 in mixed precision: the fp32 shard is the master copy; 16-bit parameters are gathered per unit

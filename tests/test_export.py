@@ -158,3 +158,21 @@ def test_export_bad_input_is_one_line(argv, message, tmp_path, capsys):
     assert code == 2 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("plan: error: ") and message in lines[0], err
+
+
+@pytest.mark.parametrize("mode, comm, engines", [
+    ("ring", "1 KV exchanges per layer", "--cp-comm-type p2p"),
+    ("all-gather", "K and V gathered before each layer's attention", "--cp-comm-type allgather"),
+    ("all-to-all", "4 all-to-alls per layer", "DeepSpeed-Ulysses (sequence_parallel_size)")])
+def test_cp_lines_name_mode_group_exposure_and_engines(mode, comm, engines):
+    """What `plan` and `plan show` print for a CP plan: the mode's communication, the tokens per rank,
+    the group and its exposed seconds, and the engines that run the mode."""
+    from meshplan.planner.cp_report import cp_lines
+
+    plan = make_plan(model="tiny", cluster="8xa100-80gb", dp=2, cp=2, cp_mode=mode, seq_len=32)
+    plan.predicted.exposed_communication_s["cp"] = 0.0123
+    text = "\n".join(cp_lines(plan))
+    assert f"cp=2 ({mode}: {comm}" in text and "16 of 32 tokens per rank" in text
+    assert "CP groups of 2 ranks each inside one node" in text and "exposed CP communication 12.3 ms" in text
+    assert f"cp mode {mode} runs on:" in text and engines in text
+    assert cp_lines(make_plan(model="tiny", cluster="8xa100-80gb")) == []
