@@ -58,9 +58,12 @@ SOFTWARE = {
     "mt_nlg_2022": dict(attention="unfused", activations="sharded", grad_overlap=False),
     "llama3_herd_2024": dict(attention="flash", activations="sharded"),
     # Megatron-Core (2024): Transformer Engine's flash attention, activations kept as shards, gradient
-    # reduction overlapped; llm-foundry MPT: flash attention under FSDP; torchtitan: the executor's stack.
+    # reduction overlapped; torchtitan: the executor's stack. llm-foundry MPT under FSDP: FlashAttention-1
+    # (scripts/train/benchmarking at b2a43a147: sweep.sh passes no --attn_impl, submit_benchmarks.py
+    # defaults it to 'triton', LLM Foundry's Triton port of FlashAttention-1, and installs '.[gpu]', whose
+    # flash-attn is 1.0.9; FlashAttention-2 was the opt-in 'gpu-flash2' extra).
     "megatron_readme_h100_2024": dict(attention="flash", activations="sharded"),
-    "llm_foundry_mpt": dict(attention="flash"),
+    "llm_foundry_mpt": dict(attention="flash1"),
     "torchtitan": dict(attention="flash"),
 }
 

@@ -145,10 +145,18 @@ def _fa(hd64: tuple[float, ...], hd128: tuple[float, ...], scale: float = 1.0) -
             "hd128": [[s, r * 1e12 * scale] for s, r in zip(_SEQS, hd128)]}
 
 
+# - FlashAttention-1 (flash-attn 1.x, the kernel before FlashAttention-2, for software that ran it): the
+#   "FlashAttention" bars of the same two figures, causal. Its Triton port (LLM Foundry's attn_impl
+#   'triton') is within 2-10 % of it on A100 (the figure's "FlashAttention Triton" bars: 50-80 at hd128);
+#   no H100 figure has the port, so H100's FlashAttention-1 bars stand for both.
+FA1_A100 = _fa((58, 70, 77, 87, 92, 97), (55, 62, 69, 76, 80, 83))
+FA1_H100 = _fa((104, 123, 136, 138, 149, 156), (98, 109, 108, 126, 135, 137))
 FA2_A100 = _fa((88, 119, 140, 156, 165, 171), (99, 133, 155, 173, 182, 189))
 FA2_H100 = _fa((141, 192, 232, 257, 273, 284), (163, 221, 265, 294, 308, 328))
 FA2_B200_DERIVED = _fa((141, 192, 232, 257, 273, 284), (163, 221, 265, 294, 308, 328), scale=1745.0 / 794.5)
 FA2_GB200_DERIVED = _fa((141, 192, 232, 257, 273, 284), (163, 221, 265, 294, 308, 328), scale=1822.0 / 794.5)
+# FlashAttention-1 rates by device preset (H200: H100's die, as for FlashAttention-2); none for B200/GB200
+FLASH1_PRESETS = {"a100-40gb": FA1_A100, "a100-80gb": FA1_A100, "h100-80gb": FA1_H100, "h200-141gb": FA1_H100}
 # - memory_efficiency: BabelStream Triad over the datasheet bandwidth (docs/sources/hardware_constants_2.md):
 #   A100 40GB 1.377/1.555 TB/s (ALCF polaris/02_profiling.md), A100 80GB 1.725/2.039 (ukri-bench
 #   benchmark-BabelStream, Tursa), H100 SXM 2.97/3.35 and H200 4.18/4.8 (Azure/AI-benchmarking-guide ND v5

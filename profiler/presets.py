@@ -4,7 +4,8 @@ from documented bandwidths and latencies (planner/cluster_spec.py cites the figu
 from __future__ import annotations
 
 import torch
-from meshplan.planner.cluster_spec import ClusterSpec
+from meshplan.planner.cluster_spec import FLASH1_PRESETS, ClusterSpec
+from meshplan.planner.errors import InputError
 from meshplan.planner.model_spec import ModelSpec
 from meshplan.profiler.analytic import layer_forward_flops
 from meshplan.profiler.profile import LINK_OPS, ComputeSample, LinkFit, Profile
@@ -22,13 +23,20 @@ def device_roofline(cluster: ClusterSpec, dtype: str, attention: str = "flash", 
                     grad_overlap: bool = True, sequence_parallel: bool = True, grad_bytes: int = 4,
                     grad_reduce: str = "reduce_scatter") -> Roofline | None:
     """The per-operation model of a GPU preset (None for a CPU or a device without SM count); the
-    software settings default to the executor's (profiler/roofline.py)."""
+    software settings default to the executor's (profiler/roofline.py). attention "flash1": software that
+    ran FlashAttention-1 (cluster_spec.FLASH1_PRESETS)."""
     d = cluster.device
     if d.kind != "cuda" or d.sm_count <= 0 or not d.attention_flops or dtype == "fp32":
         return None
+    table = d.attention_flops
+    if attention == "flash1":  # the same fused kernel type, at FlashAttention-1's measured rates
+        if d.type not in FLASH1_PRESETS:
+            raise InputError(f"attention: no FlashAttention-1 measurement for {d.type}; expected one of "
+                             f"{', '.join(FLASH1_PRESETS)}")
+        table, attention = FLASH1_PRESETS[d.type], "flash"
     return Roofline(peak_flops=d.peak_flops[dtype], gemm_fraction=d.efficiency, sm_count=d.sm_count,
                     hbm_Bps=d.memory_bandwidth_Bps, hbm_fraction=d.memory_efficiency,
-                    attention_flops=d.attention_flops, launch_s=d.kernel_launch_s, attention=attention,
+                    attention_flops=table, launch_s=d.kernel_launch_s, attention=attention,
                     activations=activations, grad_overlap=grad_overlap, sequence_parallel=sequence_parallel,
                     pace=1.0 - d.device_spread if cluster.world_size > 1 else 1.0, comm_sms=d.comm_sms,
                     grad_bytes=grad_bytes, grad_reduce=grad_reduce, gemm_k0=d.gemm_k0, gemm_k_ref=d.gemm_k_ref)

@@ -234,3 +234,21 @@ def test_bad_gemm_and_gradient_fields_are_one_line_errors():
     with pytest.raises(InputError, match=r"^r\.grad_bytes: expected"):
         Roofline.from_dict({**data, "grad_bytes": 0}, "r")
     assert Roofline.from_dict({**data, "grad_bytes": 2}, "r").grad_bytes == 2
+
+
+def test_flash_attention_1_rates_for_software_that_ran_it():
+    """attention "flash1": the same fused kernel, at FlashAttention-1's measured rates (the FlashAttention-2
+    figures' "FlashAttention" bars): A100 causal hd128 at 16k 83 TFLOP/s against FlashAttention-2's 189."""
+    from meshplan.planner.errors import InputError
+
+    a100 = parse_cluster("8xa100-80gb")
+    v1, v2 = device_roofline(a100, "bf16", attention="flash1"), device_roofline(a100, "bf16")
+    assert v1.attention == "flash" and v1.to_dict()["attention_flops"] != v2.to_dict()["attention_flops"]
+    assert v1.flash_rate(16384, 128) == pytest.approx(83e12) and v2.flash_rate(16384, 128) == pytest.approx(189e12)
+    assert device_roofline(parse_cluster("8xh100-80gb"), "bf16", attention="flash1").flash_rate(512, 64) == \
+        pytest.approx(104e12)
+    spec = builtin_model("llama3-8b")
+    assert v1.attention_core(spec, 1, 8192, 1)[0] == pytest.approx(
+        v2.attention_core(spec, 1, 8192, 1)[0] * 182 / 80)  # hd128 causal at 8k: 182 against 80
+    with pytest.raises(InputError, match="attention: no FlashAttention-1 measurement for b200-180gb"):
+        device_roofline(parse_cluster("8xb200-180gb"), "bf16", attention="flash1")
