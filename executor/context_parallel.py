@@ -10,11 +10,10 @@ does). Three modes:
   whole sequence and its share of heads, and one all-to-all brings the output back to the sequence split.
   The collectives are torch's autograd-aware functional ones (`all_to_all_single_autograd`), which run on
   gloo and NCCL alike. Rotary positions are the global positions of the local chunk.
-- all-gather (Llama 3, Dubey et al. 2024 §3.3.2; Megatron-LM's --cp-comm-type all_gather): each rank
+- all-gather (Llama 3, Dubey et al. 2024 §3.3.2; Megatron-LM's --cp-comm-type allgather): each rank
   holds the head-tail chunks of the ring mode; inside attention k and v of every CP rank are gathered
-  (`all_gather_tensor_autograd`, whose backward reduce-scatters dK and dV) and the local SDPA runs the
-  rank's queries against the whole sequence under a causal mask on the global positions. Runs on gloo and
-  NCCL alike.
+  (torch's autograd-aware functional all-gather, whose backward reduce-scatters dK and dV) and the local SDPA runs each
+  of the rank's two query chunks against the keys before it. Runs on gloo and NCCL alike.
 - ring (Liu et al. 2023; Megatron-LM CP): torch's own
   `torch.distributed.tensor.experimental.context_parallel`, which replaces SDPA by ring attention. Each rank
   holds chunks c and 2·cp − 1 − c of 2·cp (the head-tail layout of torch's load balancer, which balances
@@ -37,6 +36,7 @@ import torch.nn as nn
 from meshplan.planner.errors import InputError
 from meshplan.planner.plan import Plan
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import causal_lower_right
 
 # torch's rotate method for ring attention (torch.distributed.tensor.experimental._attention.set_rotate_method):
 # "alltoall" passes each KV block to the next rank (a ring), what planner/cost_cp.py costs; "allgather"
@@ -126,6 +126,11 @@ class UlyssesAttention:
         return _heads_to_seq(core(q, k, v), self.cp, self.group)
 
 
+# torch renamed the functional all-gathers (…_tensor → …_single, the old names deprecated); torch >= 2.8
+_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_GATHER_AUTOGRAD = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
 class _Regathered:
     """A saved tensor that was a view of the gathered K or V, kept as the local chunk and the view."""
 
@@ -144,33 +149,51 @@ def _storage(t: torch.Tensor) -> int:
 
 class AllGatherAttention:
     """The attention core under all-gather CP: `__call__(core, q, k, v)` with q, k, v [b, heads, s/cp, d]
-    (this rank's head-tail chunks) gathers k and v over cp in rank order and runs `core` with the mask
-    "key position <= query position": the local queries are two separate chunks, not a prefix that
-    `is_causal` could describe.
+    (this rank's head-tail chunks c and 2·cp − 1 − c) gathers k and v over cp, puts them in sequence
+    order, and runs `core` once per local chunk against the keys up to that chunk's end, causal aligned
+    bottom-right (`causal_lower_right`: flash and memory-efficient kernels take it without a mask
+    tensor), as Transformer Engine's AttnFuncWithCPAndKVAllGather splits the work.
 
     What the core saves of the gathered K and V for backward is kept as the local chunk and gathered again
-    when backward needs it (saved-tensor hooks), as Megatron-LM's all-gather CP does (Transformer Engine's
-    AttnFuncWithCPAndKVAllGather saves the local k, v and gathers again in backward): activations hold s/cp
-    tokens of K and V, not s. `regather` False: the block is checkpointed whole (full recompute), whose
-    recompute gathers again anyway. Under selective recompute the checkpoint keeps its inputs, the
-    gathered K and V, until backward."""
+    when backward needs it (saved-tensor hooks), as Transformer Engine does (it saves the local k, v and
+    gathers in backward): activations hold s/cp tokens of K and V, not s. `regather` False: the block is
+    checkpointed whole (full recompute), whose recompute gathers again anyway. Under selective recompute
+    the checkpointed core keeps its inputs, the gathered K and V, until backward."""
 
     def __init__(self, cp_mesh: DeviceMesh, seq_len: int):
         self.cp = cp_mesh.size()
         self.group = cp_mesh.get_group()
-        q_pos = chunk_positions(seq_len, self.cp, cp_mesh.get_local_rank(), "all-gather")
-        k_pos = torch.cat([chunk_positions(seq_len, self.cp, r, "all-gather") for r in range(self.cp)])
-        self.mask = q_pos[:, None] >= k_pos[None, :]
+        rank, n = cp_mesh.get_local_rank(), seq_len // (2 * self.cp)
+        gathered = torch.cat([chunk_positions(seq_len, self.cp, r, "all-gather") for r in range(self.cp)])
+        self.order = torch.argsort(gathered)  # gathered position of each sequence position
+        self.ends = ((rank + 1) * n, (2 * self.cp - rank) * n)  # keys the head and the tail chunk attend to
+        # made here, once: a CausalBias cannot be created under a TorchDispatchMode (the executor's CPU
+        # memory probe)
+        self.masks = tuple(causal_lower_right(n, end) for end in self.ends)
         self.regather = True
         self.regathers = 0  # gathers backward asked for (tests)
 
+    def _full(self, x: torch.Tensor, autograd: bool = True) -> torch.Tensor:
+        """K or V of the whole sequence, in sequence order, from this rank's chunks."""
+        gather = _GATHER_AUTOGRAD if autograd else _GATHER
+        out = gather(x.contiguous(), 2, self.group)
+        out = funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+        if self.order.device != out.device:
+            self.order = self.order.to(out.device)
+        return out.index_select(2, self.order)
+
     def __call__(self, core: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.mask.device != q.device:
-            self.mask = self.mask.to(q.device)
-        kg, vg = self._gather(k), self._gather(v)
+        kf, vf = self._full(k), self._full(v)
+        n = q.shape[2] // 2
+
+        def attend() -> torch.Tensor:
+            return torch.cat([core(q[:, :, i * n:(i + 1) * n], kf[:, :, :end], vf[:, :, :end], attn_mask=mask,
+                                   is_causal=False) for i, (end, mask) in enumerate(zip(self.ends, self.masks))],
+                             dim=2)
+
         if not (self.regather and torch.is_grad_enabled()):
-            return core(q, kg, vg, attn_mask=self.mask, is_causal=False)
-        local = {_storage(kg): k.detach(), _storage(vg): v.detach()}
+            return attend()
+        local = {_storage(kf): k.detach(), _storage(vf): v.detach()}
 
         def pack(t: torch.Tensor):
             chunk = local.get(_storage(t))
@@ -180,16 +203,10 @@ class AllGatherAttention:
             if not isinstance(saved, _Regathered):
                 return saved
             self.regathers += 1
-            full = funcol.all_gather_tensor(saved.local.contiguous(), 2, self.group)
-            full = funcol.wait_tensor(full) if isinstance(full, funcol.AsyncCollectiveTensor) else full
-            return full.as_strided(saved.size, saved.stride, saved.offset)
+            return self._full(saved.local, autograd=False).as_strided(saved.size, saved.stride, saved.offset)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            return core(q, kg, vg, attn_mask=self.mask, is_causal=False)
-
-    def _gather(self, x: torch.Tensor) -> torch.Tensor:
-        out = funcol.all_gather_tensor_autograd(x.contiguous(), 2, self.group)
-        return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+            return attend()
 
 
 class RingAttention:
