@@ -156,15 +156,16 @@ def gathered_kv_bytes(model: ModelSpec, b: int, s: int, tp: int, cp: int, mode: 
 def kv_buffer_bytes(model: ModelSpec, b: int, s: int, tp: int, cp: int, mode: str, dtype: str) -> float:
     """Transient bytes of CP at a block's peak. Ring: the KV block being computed on and the one arriving
     (double buffering), and in backward also dK, dV in flight: 2·(KV + dKV) = 4 KV blocks (Megatron-Core's
-    p2p CP). All-gather: in a block's backward the gathered K and V (gathered again, or recomputed) and
-    their dK, dV before the reduce-scatter: 2·cp KV blocks. All-to-all: the gathered q, k, v and output of one
-    block, as large as the local ones."""
+    p2p CP). All-gather: in a block's backward the gathered K and V (gathered again, or recomputed, in
+    sequence order) and their dK, dV in sequence order and again in the gathered order the reduce-scatter
+    takes (executor/context_parallel.AllGatherAttention): 3·cp KV blocks. All-to-all: the gathered q, k,
+    v and output of one block, as large as the local ones."""
     if cp <= 1:
         return 0.0
     if mode == "ring":
         return 4.0 * kv_block_bytes(model, b, s, tp, cp, dtype)
     if mode == "all-gather":
-        return 2.0 * cp * kv_block_bytes(model, b, s, tp, cp, dtype)
+        return 3.0 * cp * kv_block_bytes(model, b, s, tp, cp, dtype)
     q_dim, kv_dim = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
     return b * local_seq(s, cp) * (2 * q_dim + 2 * kv_dim) / tp * DTYPE_BYTES[dtype]
 

@@ -33,9 +33,9 @@ def test_kv_block_and_buffers_by_hand():
     # all-to-all: gathered q, k, v and output: (2 q_dim + 2 kv_dim) per token of the chunk
     assert kv_buffer_bytes(LLAMA, 1, 131072, 1, 4, "all-to-all", "bf16") == 32768 * (2 * 4096 + 2 * 1024) * 2
     assert kv_buffer_bytes(LLAMA, 1, 131072, 1, 1, "ring", "bf16") == 0.0
-    # all-gather: in backward the gathered K, V and their dK, dV (cp blocks each)
+    # all-gather: in backward the gathered K, V and their dK, dV in sequence and in gathered order (cp each)
     kv = kv_block_bytes(LLAMA, 1, 131072, 2, 4, "bf16")
-    assert kv_buffer_bytes(LLAMA, 1, 131072, 2, 4, "all-gather", "bf16") == 8 * kv
+    assert kv_buffer_bytes(LLAMA, 1, 131072, 2, 4, "all-gather", "bf16") == 12 * kv
     # kept under selective recompute: the gathered K, V instead of the local ones, cp - 1 blocks more
     assert gathered_kv_bytes(LLAMA, 1, 131072, 2, 4, "all-gather", "bf16") == 3 * kv
     assert gathered_kv_bytes(LLAMA, 1, 131072, 2, 4, "ring", "bf16") == 0.0
