@@ -34,6 +34,9 @@ PLANS = {
     "allgather-cp4": dict(cp_mode="all-gather", cp=4, micro_batch_size=2, num_micro_batches=2),
     "allgather-cp2xdp2-full": dict(cp_mode="all-gather", cp=2, dp=2, zero=1, recompute="full", micro_batch_size=1,
                                    num_micro_batches=2),
+    # zero-bubble (ZB-V): the backward split into input and weight passes, K and V gathered again in between
+    "allgather-cp2xpp2-zbv": dict(cp_mode="all-gather", cp=2, pp=2, virtual_stages=2, schedule="zero-bubble",
+                                  micro_batch_size=1, num_micro_batches=4),
 }
 
 
