@@ -131,13 +131,24 @@ _GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _GATHER_AUTOGRAD = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 
+class _Gathered:
+    """The local chunk of K or V in place of the gathered tensor that backward needs: gathered again once,
+    at the first saved view that backward unpacks, and shared by the others (both query chunks' views)
+    until the last of them is released."""
+
+    __slots__ = ("local", "full")
+
+    def __init__(self, local: torch.Tensor):
+        self.local, self.full = local, None
+
+
 class _Regathered:
-    """A saved tensor that was a view of the gathered K or V, kept as the local chunk and the view."""
+    """A saved tensor that was a view of the gathered K or V: its source and the view's geometry."""
 
-    __slots__ = ("local", "size", "stride", "offset")
+    __slots__ = ("source", "size", "stride", "offset")
 
-    def __init__(self, local: torch.Tensor, view: torch.Tensor):
-        self.local, self.size, self.stride, self.offset = local, view.size(), view.stride(), view.storage_offset()
+    def __init__(self, source: _Gathered, view: torch.Tensor):
+        self.source, self.size, self.stride, self.offset = source, view.size(), view.stride(), view.storage_offset()
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -154,11 +165,11 @@ class AllGatherAttention:
     bottom-right (`causal_lower_right`: flash and memory-efficient kernels take it without a mask
     tensor), as Transformer Engine's AttnFuncWithCPAndKVAllGather splits the work.
 
-    What the core saves of the gathered K and V for backward is kept as the local chunk and gathered again
-    when backward needs it (saved-tensor hooks), as Transformer Engine does (it saves the local k, v and
-    gathers in backward): activations hold s/cp tokens of K and V, not s. `regather` False: the block is
-    checkpointed whole (full recompute), whose recompute gathers again anyway. Under selective recompute
-    the checkpointed core keeps its inputs, the gathered K and V, until backward."""
+    What the core saves of the gathered K and V for backward (under selective recompute: the checkpoint's
+    inputs) is kept as the local chunk and gathered again, once per layer, when backward needs it
+    (saved-tensor hooks), as Transformer Engine does (it saves the local k, v and gathers in backward):
+    activations hold s/cp tokens of K and V, not s. `regather` False: the block is checkpointed whole (full
+    recompute), whose recompute gathers again anyway."""
 
     def __init__(self, cp_mesh: DeviceMesh, seq_len: int):
         self.cp = cp_mesh.size()
@@ -171,7 +182,7 @@ class AllGatherAttention:
         # memory probe)
         self.masks = tuple(causal_lower_right(n, end) for end in self.ends)
         self.regather = True
-        self.regathers = 0  # gathers backward asked for (tests)
+        self.regathers = 0  # gathers backward made (tests)
 
     def _full(self, x: torch.Tensor, autograd: bool = True) -> torch.Tensor:
         """K or V of the whole sequence, in sequence order, from this rank's chunks."""
@@ -193,17 +204,20 @@ class AllGatherAttention:
 
         if not (self.regather and torch.is_grad_enabled()):
             return attend()
-        local = {_storage(kf): k.detach(), _storage(vf): v.detach()}
+        sources = {_storage(kf): _Gathered(k.detach()), _storage(vf): _Gathered(v.detach())}
 
         def pack(t: torch.Tensor):
-            chunk = local.get(_storage(t))
-            return t if chunk is None else _Regathered(chunk, t)
+            source = sources.get(_storage(t))
+            return t if source is None else _Regathered(source, t)
 
         def unpack(saved):
             if not isinstance(saved, _Regathered):
                 return saved
-            self.regathers += 1
-            return self._full(saved.local, autograd=False).as_strided(saved.size, saved.stride, saved.offset)
+            source = saved.source
+            if source.full is None:
+                self.regathers += 1
+                source.full = self._full(source.local, autograd=False)
+            return source.full.as_strided(saved.size, saved.stride, saved.offset)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             return attend()

@@ -21,8 +21,8 @@ Communication per block and micro-batch:
   local chunk is kept, as Transformer Engine's AttnFuncWithCPAndKVAllGather and the executor do) and
   reduce-scatters dK, dV; all on the critical path: Llama 3 states the all-gather is exposed, small beside
   the attention because grouped-query K and V are much smaller than Q. Selective recompute keeps the
-  gathered K and V (the checkpoint's inputs) and full recompute gathers in its recompute instead, so
-  neither gathers again in backward.
+  local chunks as the checkpoint's inputs as well; full recompute gathers in its recompute instead of
+  in backward.
 - all-to-all: four all-to-alls in forward (q, k, v in; the output back) and four in backward, each of the
   rank's b·(s/cp)·width/tp values, on the critical path (Jacobs et al. 2023 §3.1). An all-to-all of M
   bytes per rank over n ranks moves (n − 1)/n·M per rank in n − 1 steps: nccl-tests' PERFORMANCE.md
@@ -30,7 +30,6 @@ Communication per block and micro-batch:
   (M = the local tensor) times it.
 
 Memory: activations are counted on s/cp tokens (÷cp, Korthikanti et al. 2022's count applies per token);
-all-gather CP under selective recompute keeps the gathered K and V (`gathered_kv_bytes`);
 ring CP holds the KV blocks in flight as transient buffers (`kv_buffer_bytes`); the logits and the loss
 are ÷cp (each rank's loss covers its tokens).
 """
@@ -146,13 +145,6 @@ def cp_comm_time(profile, model: ModelSpec, b: int, s: int, tp: int, cp: int, mo
     return fwd * k, bwd * k
 
 
-def gathered_kv_bytes(model: ModelSpec, b: int, s: int, tp: int, cp: int, mode: str, dtype: str) -> float:
-    """Activation bytes per block beyond the local K and V that `activation_bytes` counts, where all-gather
-    CP keeps the gathered K and V (cp − 1 more KV blocks): under selective recompute, whose checkpointed
-    core holds its inputs until backward; 0 in other modes."""
-    return (cp - 1) * kv_block_bytes(model, b, s, tp, cp, dtype) if mode == "all-gather" and cp > 1 else 0.0
-
-
 def kv_buffer_bytes(model: ModelSpec, b: int, s: int, tp: int, cp: int, mode: str, dtype: str) -> float:
     """Transient bytes of CP at a block's peak. Ring: the KV block being computed on and the one arriving
     (double buffering), and in backward also dK, dV in flight: 2·(KV + dKV) = 4 KV blocks (Megatron-Core's
@@ -209,15 +201,16 @@ class CPTerms(Terms):
         return self._get(("kind", kind, b, tp, schedule == "zero-bubble"), make)
 
     def regather(self, b: int, tp: int) -> float:
-        """Backward's second all-gather of K and V (all-gather mode), which recompute makes unnecessary."""
+        """Backward's second all-gather of K and V (all-gather mode), which full recompute replaces by the
+        gather in its recompute."""
         return self.cp_comm(b, tp)[0] if self.mode == "all-gather" else 0.0
 
     def recompute(self, b: int, tp: int, mode: str) -> tuple[float, float, float]:
         """Full recompute runs the block's forward again, its CP communication included; selective runs
         the attention core again: under ring CP that is ring attention with its exchanges, under
         all-gather and all-to-all only the local core after the gather or between the all-to-alls
-        (executor/context_parallel.py). All-gather: either way backward does not gather K and V again
-        (`regather`), and selective keeps the gathered K and V (the checkpoint's inputs)."""
+        (executor/context_parallel.py). All-gather under full recompute: backward does not gather K and
+        V again (`regather`)."""
         def make():
             if mode == "none" or not self.model.num_layers:
                 return 0.0, 0.0, 0.0
@@ -234,21 +227,18 @@ class CPTerms(Terms):
                     - self.regather(b, tp)
             else:  # the core at 1/cp of the causal work (at least the profile's selective recompute at s/cp)
                 rec = max(recompute_time(self.profile, "block", b, sl, tp, "selective"), af) + \
-                    (cp_f if self.mode == "ring" else 0.0) - self.regather(b, tp)
-            kept = activation_bytes(self.profile, "block", b, sl, tp, mode, tp > 1)
-            if mode == "selective":
-                kept += gathered_kv_bytes(self.model, b, self.s, tp, self.cp, self.mode, self.dtype)
-            saving = a - kept
+                    (cp_f if self.mode == "ring" else 0.0)
+            saving = a - activation_bytes(self.profile, "block", b, sl, tp, mode, tp > 1)
             return rec + rec_tp, saving, rec_tp
         return self._get(("rec", b, tp, mode), make)
 
     def side_comm(self, b: int, tp: int, mode: str) -> dict[str, tuple[float, float]]:
         """Exposed CP seconds of a block, and what recompute changes: its forward again where recompute
         replays the exchanges (full; selective under ring, whose recomputed core is ring attention), less
-        backward's second all-gather that all-gather CP then skips (`regather`)."""
+        backward's second all-gather that all-gather CP skips under full recompute (`regather`)."""
         f, g = self.cp_comm(b, tp)
         again = f if mode == "full" or (mode == "selective" and self.mode == "ring") else 0.0
-        again -= self.regather(b, tp) if mode != "none" else 0.0
+        again -= self.regather(b, tp) if mode == "full" else 0.0
         return super().side_comm(b, tp, mode) | {"cp": (f + g, again)}
 
     def hop(self, b: int, tp: int, link: str) -> float:

@@ -9,7 +9,6 @@ from meshplan.planner.cost_cp import (
     causal_core_flops,
     cp_comm_time,
     cp_degrees,
-    gathered_kv_bytes,
     kv_block_bytes,
     kv_buffer_bytes,
     mode_fits,
@@ -36,9 +35,6 @@ def test_kv_block_and_buffers_by_hand():
     # all-gather: in backward the gathered K, V and their dK, dV in sequence and in gathered order (cp each)
     kv = kv_block_bytes(LLAMA, 1, 131072, 2, 4, "bf16")
     assert kv_buffer_bytes(LLAMA, 1, 131072, 2, 4, "all-gather", "bf16") == 12 * kv
-    # kept under selective recompute: the gathered K, V instead of the local ones, cp - 1 blocks more
-    assert gathered_kv_bytes(LLAMA, 1, 131072, 2, 4, "all-gather", "bf16") == 3 * kv
-    assert gathered_kv_bytes(LLAMA, 1, 131072, 2, 4, "ring", "bf16") == 0.0
 
 
 def test_ring_comm_exposed_only_beyond_the_attention_block():
@@ -85,19 +81,16 @@ def test_all_gather_activations_and_recompute_by_hand():
     profile = preset_profile(LLAMA, H100)
     base = Terms(LLAMA, profile, 32768, "bf16")
     ag, ring = CPTerms(base, 4, "all-gather", "intra_node"), CPTerms(base, 4, "ring", "intra_node")
-    extra = gathered_kv_bytes(LLAMA, 1, 32768, 2, 4, "all-gather", "bf16")
-    # no recompute: only the local K, V are kept (backward gathers again), as under ring
+    # only the local K, V are kept (backward gathers again), as under ring, with or without recompute
     assert ag.kind("block", 1, 2)[3] == pytest.approx(ring.kind("block", 1, 2)[3])
     assert ag.kind("block", 1, 2)[0] == pytest.approx(ring.kind("block", 1, 2)[0])  # same compute split
-    # selective keeps the gathered K, V (the checkpoint's inputs): it saves less; full keeps the block input
-    assert ag.recompute(1, 2, "selective")[1] == pytest.approx(ring.recompute(1, 2, "selective")[1] - extra)
-    assert ag.recompute(1, 2, "full")[1] == pytest.approx(ring.recompute(1, 2, "full")[1])
+    for mode in ("selective", "full"):
+        assert ag.recompute(1, 2, mode)[1] == pytest.approx(ring.recompute(1, 2, mode)[1])
     # per block: forward gather f, backward gather f and reduce-scatter; full recompute gathers in its
-    # recompute instead of backward (net 0), selective not at all in backward (-f)
+    # recompute instead of in backward (net 0); selective reruns the local core only
     f, g = ag.cp_comm(1, 2)
-    assert ag.side_comm(1, 2, "none")["cp"] == (f + g, 0.0)
-    assert ag.side_comm(1, 2, "full")["cp"] == (f + g, 0.0)
-    assert ag.side_comm(1, 2, "selective")["cp"] == (f + g, -f)
+    for mode in ("none", "selective", "full"):
+        assert ag.side_comm(1, 2, mode)["cp"] == (f + g, 0.0)
 
 
 def test_block_compute_on_a_flop_profile_by_hand():

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from meshplan.executor.context_parallel import AllGatherAttention, chunk_positions
 from meshplan.planner.model_sources import builtin_model
 from meshplan.planner.plan import save_plan
@@ -58,7 +59,7 @@ def test_chunk_positions_cover_the_sequence():
     assert chunk_positions(16, 4, 1, "all-to-all").tolist() == [4, 5, 6, 7]
 
 
-def _all_gather_worker(rank: int, world: int, store: str, kv_heads: int) -> None:
+def _all_gather_worker(rank: int, world: int, store: str, kv_heads: int, selective: bool) -> None:
     """One CP rank: AllGatherAttention on its head-tail chunk against causal SDPA over the whole sequence."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -75,23 +76,25 @@ def _all_gather_worker(rank: int, world: int, store: str, kv_heads: int) -> None
         lq, lk, lv = (t.detach()[:, :, idx].clone().requires_grad_() for t in (q, k, v))
         attention = AllGatherAttention(init_device_mesh("cpu", (world,)), s)
         core = partial(F.scaled_dot_product_attention, is_causal=True, enable_gqa=gqa)
+        if selective:  # the executor's selective recompute: the core checkpointed
+            core = partial(torch.utils.checkpoint.checkpoint, core, use_reentrant=False, preserve_rng_state=False)
         out = attention(core, lq, lk, lv)
         (out * w[:, :, idx]).sum().backward()
         torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
                                    .detach()[:, :, idx])
         for local, full in ((lq, q), (lk, k), (lv, v)):  # dK, dV summed over the ranks by the reduce-scatter
             torch.testing.assert_close(local.grad, full.grad[:, :, idx], rtol=1e-5, atol=1e-5)
-        if not gqa:  # the math kernel saves k and v as given: backward gathered them again
-            assert attention.regathers > 0
+        if not gqa:  # the math kernel saves k and v as given: backward gathered each again, once
+            assert attention.regathers == 2
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2])
-def test_all_gather_attention_matches_causal_sdpa(tmp_path, kv_heads):
+@pytest.mark.parametrize("kv_heads, selective", [(4, False), (2, False), (4, True)])
+def test_all_gather_attention_matches_causal_sdpa(tmp_path, kv_heads, selective):
     """Outputs and gradients of q, k, v on 2 gloo ranks equal the whole sequence's; with k and v saved as
-    local chunks, backward gathers them again."""
-    torch.multiprocessing.spawn(_all_gather_worker, args=(2, str(tmp_path / "store"), kv_heads), nprocs=2)
+    local chunks (the checkpoint's inputs too), backward gathers each of them again once."""
+    torch.multiprocessing.spawn(_all_gather_worker, args=(2, str(tmp_path / "store"), kv_heads, selective), nprocs=2)
 
 
 def test_ring_plan_refused_on_gloo(tmp_path):
