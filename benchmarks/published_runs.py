@@ -174,8 +174,8 @@ def main() -> None:
         cluster = cluster_of(row)
         profile = preset_profile(model, cluster, constraints_of(row, True).dtype, **software(row))
         lay = row["layout"]
-        cp = f" c{lay['cp']}" if (lay.get("cp") or 1) > 1 else ""
-        layout = f"t{lay['tp']}{cp} p{lay['pp']} d{lay['dp']} v{lay.get('virtual_stages') or 1} " \
+        cp_tag = f" c{lay['cp']}" if (lay.get("cp") or 1) > 1 else ""
+        layout = f"t{lay['tp']}{cp_tag} p{lay['pp']} d{lay['dp']} v{lay.get('virtual_stages') or 1} " \
                  f"b{lay.get('micro_batch_size') or '?'} {lay.get('recompute') or '?'}"
         target = published_time(row, model)
         try:
@@ -194,8 +194,9 @@ def main() -> None:
             try:
                 fp = find_plan(model, cluster, constraints_of(row, False), profile)
                 p = fp.parallel
-                cp = f" c{p.cp}" if p.cp > 1 else ""
-                free = f"t{p.tp}{cp} p{p.pp} d{p.dp} v{p.virtual_stages} z{p.zero} b{p.micro_batch_size} {p.recompute}"
+                cp_tag = f" c{p.cp}" if p.cp > 1 else ""
+                free = f"t{p.tp}{cp_tag} p{p.pp} d{p.dp} v{p.virtual_stages} z{p.zero} b{p.micro_batch_size} " \
+                       f"{p.recompute}"
                 free_s = f"{fp.predicted.iteration_time_s:.2f}"
             except (InfeasibleError, InputError):
                 free = "none"

@@ -12,8 +12,8 @@ does). Three modes:
   gloo and NCCL alike. Rotary positions are the global positions of the local chunk.
 - all-gather (Llama 3, Dubey et al. 2024 §3.3.2; Megatron-LM's --cp-comm-type allgather): each rank
   holds the head-tail chunks of the ring mode; inside attention k and v of every CP rank are gathered
-  (torch's autograd-aware functional all-gather, whose backward reduce-scatters dK and dV) and the local SDPA runs each
-  of the rank's two query chunks against the keys before it. Runs on gloo and NCCL alike.
+  (torch's autograd-aware functional all-gather, whose backward reduce-scatters dK and dV) and the local
+  SDPA runs each of the rank's two query chunks against the keys before it. Runs on gloo and NCCL alike.
 - ring (Liu et al. 2023; Megatron-LM CP): torch's own
   `torch.distributed.tensor.experimental.context_parallel`, which replaces SDPA by ring attention. Each rank
   holds chunks c and 2·cp − 1 − c of 2·cp (the head-tail layout of torch's load balancer, which balances
@@ -243,16 +243,23 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, mode: str, seq_len: int) -> 
     if cp == 1:
         return
     positions = chunk_positions(seq_len, cp, cp_mesh.get_local_rank(), mode)
-    shared = UlyssesAttention(cp_mesh) if mode == "all-to-all" else RingAttention() if mode == "ring" else None
+    # all-gather: one wrapper per block, whose full recompute (executor/parallelize.checkpointed_block) turns
+    # its regathering off; the other modes share one
+    if mode == "all-gather":
+        def wrapper():
+            return AllGatherAttention(cp_mesh, seq_len)
+    else:
+        shared = UlyssesAttention(cp_mesh) if mode == "all-to-all" else RingAttention()
+
+        def wrapper():
+            return shared
     embedding = getattr(model, "embedding", None)
     if embedding is not None:
         embedding.positions = positions
     for block in model.blocks.values():
         attention = block.attention
         attention.positions = positions
-        # all-gather: one per block, whose full recompute (executor/parallelize.checkpointed_block) turns
-        # its regathering off
-        attention.cp_attention = shared or AllGatherAttention(cp_mesh, seq_len)
+        attention.cp_attention = wrapper()
 
 
 def shard_sequence(x: torch.Tensor, y: torch.Tensor, seq_len: int, cp: int, cp_rank: int, mode: str
