@@ -50,12 +50,22 @@ DEFAULT_SOURCES = ("megatron_sc21", "korthikanti_2022", "llama3_herd_2024", "blo
 #   the last micro-batch (runtime/pipe/schedule.py TrainSchedule: ReduceGrads at the final step); BLOOM's
 #   BF16_Optimizer all-reduces its whole fp32 gradients before stepping its shard (runtime/pipe/engine.py
 #   _bf16_reduce_grads).
+# - Gradient accumulation (grad_accum_bytes, per weight per micro-batch): Megatron-LM's local DDP of 2021
+#   adds each micro-batch's gradient into its buffer in a hook, main_grad.add_(grad) (megatron/model/
+#   distributed.py since b4bc51b1e7, 2021-03), 16-bit for SC'21's fp16: read 2 + 2, write 2. Its gradient
+#   accumulation fusion (wgrad GEMM accumulating into main_grad, 83b1e42f30, 2022-02) removed the pass
+#   for Korthikanti et al. 2022 and later. DeepSpeed's fp16 pipeline engine (MT-NLG) leaves it to
+#   autograd's in-place add into the 16-bit .grad: 6 bytes. Its BF16_Optimizer (BLOOM) copies each
+#   micro-batch's bf16 gradient to fp32 and adds it to the fp32 one (runtime/bf16_optimizer.py
+#   update_hp_grads, hp_grad.add_(lp.grad.to(fp32)) at 6719b46b, 2022-05): read 2, write 4, then read 4 + 4,
+#   write 4 = 18 bytes.
 SOFTWARE = {
-    "megatron_sc21": dict(attention="unfused", activations="sharded", grad_overlap=False, grad_bytes=2),
+    "megatron_sc21": dict(attention="unfused", activations="sharded", grad_overlap=False, grad_bytes=2,
+                          grad_accum_bytes=6),
     "korthikanti_2022": dict(attention="unfused", activations="sharded", grad_overlap=False),
     "bloom_bigscience": dict(attention="unfused", activations="sharded", grad_overlap=False,
-                             grad_reduce="all_reduce"),
-    "mt_nlg_2022": dict(attention="unfused", activations="sharded", grad_overlap=False),
+                             grad_reduce="all_reduce", grad_accum_bytes=18),
+    "mt_nlg_2022": dict(attention="unfused", activations="sharded", grad_overlap=False, grad_accum_bytes=6),
     "llama3_herd_2024": dict(attention="flash", activations="sharded"),
     # Megatron-Core (2024): Transformer Engine's flash attention, activations kept as shards, gradient
     # reduction overlapped; torchtitan: the executor's stack. llm-foundry MPT under FSDP: FlashAttention-1

@@ -14,6 +14,8 @@ figures (docs/sources/hardware_constants.md):
 - Memory-bound ops (norms, activations, rotary, residuals and dropout, loss): bytes over HBM at the
   achievable fraction; backward moves about twice the forward's bytes (reads the gradient and the saved
   input, writes the input gradient).
+- Gradient accumulation where the software adds each micro-batch's weight gradients in a pass of its own
+  (no fusion into the wgrad GEMM): bytes per weight over HBM (`grad_accum_bytes`; 0 by default).
 - Every kernel takes at least the launch floor.
 The measured-profile path (profiler/measure.py) does not use this module.
 """
@@ -73,6 +75,10 @@ class Roofline:
     # GEMM tile fixed cost in units of K, and the K of the MAMF shape (planner/cluster_spec.py); 0: none
     gemm_k0: float = 0.0
     gemm_k_ref: float = 0.0
+    # Bytes per parameter a separate pass moves each micro-batch to add the weight gradients into the
+    # accumulator (read the new gradient, read and write the accumulator). 0: none, as where the wgrad GEMM
+    # accumulates into it itself (Megatron-LM's gradient accumulation fusion, since 2022).
+    grad_accum_bytes: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -95,7 +101,8 @@ class Roofline:
                    f.int("dtype_bytes", min=1, default=2), pace,
                    f.int("comm_sms", min=0, default=0), f.int("grad_bytes", min=1, default=4),
                    f.str("grad_reduce", choices=GRAD_REDUCE, default="reduce_scatter"),
-                   f.float("gemm_k0", min=0.0, default=0.0), f.float("gemm_k_ref", min=0.0, default=0.0))
+                   f.float("gemm_k0", min=0.0, default=0.0), f.float("gemm_k_ref", min=0.0, default=0.0),
+                   f.float("grad_accum_bytes", min=0.0, default=0.0))
 
     # ---- primitives ----
 
@@ -122,6 +129,10 @@ class Roofline:
     def gemm_fwd_bwd(self, m: float, n: float, k: float) -> tuple[float, float]:
         """Y[m,n] = X[m,k] W[k,n]: forward, and backward dX = dY Wᵀ plus dW = Xᵀ dY."""
         return self.gemm(m, n, k), self.gemm(m, k, n) + self.gemm(k, n, m)
+
+    def accumulate(self, params: float) -> float:
+        """Seconds of adding one micro-batch's gradients of `params` weights into the accumulator."""
+        return self.bytes_time(params * self.grad_accum_bytes) if self.grad_accum_bytes > 0 else 0.0
 
     def bytes_time(self, nbytes: float) -> float:
         return max(nbytes / (self.hbm_Bps * self.hbm_fraction), self.launch_s if nbytes > 0 else 0.0)
@@ -192,7 +203,7 @@ class Roofline:
             fwd = bwd = 0.0
             for m, n, k in shapes:
                 a, g = self.gemm_fwd_bwd(m, n, k)
-                fwd, bwd = fwd + a, bwd + g
+                fwd, bwd = fwd + a, bwd + g + self.accumulate(n * k)
             af, ab = self.attention_core(spec, b, s, tp)
             el = self.elementwise(spec, b, s, tp, sp)
             mf, mb = block_ffn_time_correction(self, spec, T, tp)  # MoE feed-forward (profiler/moe_cost.py)
@@ -200,12 +211,13 @@ class Roofline:
         if kind == "head":
             V = vocab_shard(spec, tp)
             a, g = self.gemm_fwd_bwd(T, V, h)
+            g += self.accumulate(V * h)
             norm = self.bytes_time(T * 2 * h * B / (tp if sp else 1))
             loss = self.bytes_time(T * V * (B + 4 + 4))  # logits in, fp32 log-softmax out, read for the loss
             return a + norm + loss, g + 2 * norm + self.bytes_time(T * V * (4 + B))
         if kind == "embedding":
             gather = self.bytes_time(T * (2 * h * B + 8))
-            return gather, 2 * gather
+            return gather, 2 * gather + self.accumulate(vocab_shard(spec, tp) * h)
         raise ValueError(f"unknown layer kind {kind!r}")
 
     def recompute(self, spec: ModelSpec, b: int, s: int, tp: int, mode: str) -> float:
