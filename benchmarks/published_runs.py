@@ -54,15 +54,15 @@ DEFAULT_SOURCES = ("megatron_sc21", "korthikanti_2022", "llama3_herd_2024", "blo
 #   adds each micro-batch's gradient into its buffer in a hook, main_grad.add_(grad) (megatron/model/
 #   distributed.py since b4bc51b1e7, 2021-03), 16-bit for SC'21's fp16: read 2 + 2, write 2. Its gradient
 #   accumulation fusion (wgrad GEMM accumulating into main_grad, 83b1e42f30, 2022-02) removed the pass
-#   for Korthikanti et al. 2022 and Megatron-Core (0 bytes). DeepSpeed's fp16 pipeline engine (MT-NLG) leaves it to
+#   for Korthikanti et al. 2022 and later. DeepSpeed's fp16 pipeline engine (MT-NLG) leaves it to
 #   autograd's in-place add into the 16-bit .grad: 6 bytes. Its BF16_Optimizer (BLOOM) copies each
 #   micro-batch's bf16 gradient to fp32 and adds it to the fp32 one (runtime/bf16_optimizer.py
 #   update_hp_grads, hp_grad.add_(lp.grad.to(fp32)) at 6719b46b, 2022-05): read 2, write 4, then read 4 + 4,
-#   write 4 = 18 bytes. FSDP runs (torchtitan, llm-foundry, Llama 3): the executor's (planner/cost_accumulation.py).
+#   write 4 = 18 bytes.
 SOFTWARE = {
     "megatron_sc21": dict(attention="unfused", activations="sharded", grad_overlap=False, grad_bytes=2,
                           grad_accum_bytes=6),
-    "korthikanti_2022": dict(attention="unfused", activations="sharded", grad_overlap=False, grad_accum_bytes=0),
+    "korthikanti_2022": dict(attention="unfused", activations="sharded", grad_overlap=False),
     "bloom_bigscience": dict(attention="unfused", activations="sharded", grad_overlap=False,
                              grad_reduce="all_reduce", grad_accum_bytes=18),
     "mt_nlg_2022": dict(attention="unfused", activations="sharded", grad_overlap=False, grad_accum_bytes=6),
@@ -72,7 +72,7 @@ SOFTWARE = {
     # (scripts/train/benchmarking at b2a43a147: sweep.sh passes no --attn_impl, submit_benchmarks.py
     # defaults it to 'triton', LLM Foundry's Triton port of FlashAttention-1, and installs '.[gpu]', whose
     # flash-attn is 1.0.9; FlashAttention-2 was the opt-in 'gpu-flash2' extra).
-    "megatron_readme_h100_2024": dict(attention="flash", activations="sharded", grad_accum_bytes=0),
+    "megatron_readme_h100_2024": dict(attention="flash", activations="sharded"),
     "llm_foundry_mpt": dict(attention="flash1"),
     "torchtitan": dict(attention="flash"),
 }

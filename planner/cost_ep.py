@@ -38,7 +38,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from meshplan.planner.cost_accumulation import accumulation_time
 from meshplan.planner.cost_cp import CPTerms, all_to_all_time
 from meshplan.planner.cost_model import (
     Candidate,
@@ -237,21 +236,6 @@ class _EPMixin:
                     sharded_dp_time(self.profile, ex, self.dtype, edp, zero, link) if not in_situ else out[3][i]
             return out
         return self._get(("ep layer", tp, dp, zero, link, sync), make)
-
-    def accumulation(self, tp: int, dp: int, m: int, sync: GradSync) -> list[float]:
-        """A MoE block's experts add up over their own ranks' shards (÷ ep·expert_tp, data-parallel dp·cp/ep)."""
-        def make():
-            out = list(super(_EPMixin, self).accumulation(tp, dp, m, sync))
-            model = self.model
-            experts = model.moe.num_experts * expert_params(model)
-            edp = max(1, dp // self.ep)
-            for i, layer in enumerate(model.layers):
-                if layer.kind == "block" and is_sparse_block(model, int(layer.name.split(".")[-1])):
-                    out[i] = accumulation_time(self.profile, (layer.params - experts) / tp, self.dtype, dp, m, sync) \
-                        + accumulation_time(self.profile, experts / (self.ep * self.expert_tp), self.dtype, edp, m,
-                                            sync)
-            return out
-        return self._get(("ep accumulation", tp, dp, m, sync), make)
 
 
 class EPTerms(_EPMixin, Terms):

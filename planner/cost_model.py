@@ -32,7 +32,6 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from meshplan.planner.cost_accumulation import accumulation_time
 from meshplan.planner.model_spec import ModelSpec, vocab_shard, wrapped_unit_params
 from meshplan.profiler.analytic import DTYPE_BYTES, layer_forward_flops
 
@@ -829,17 +828,6 @@ class Terms:
         (context and expert parallel: CPTerms, planner/cost_ep.py), so that reports can tell them apart."""
         return {}
 
-    def accumulation(self, tp: int, dp: int, m: int, sync: GradSync) -> list[float]:
-        """Per layer, seconds per micro-batch of adding up its gradients (planner/cost_accumulation.py)."""
-        def make():
-            by_params: dict[float, float] = {}
-            for layer in self.model.layers:
-                if layer.params not in by_params:
-                    by_params[layer.params] = accumulation_time(self.profile, layer.params / tp, self.dtype, dp, m,
-                                                                sync)
-            return [by_params[layer.params] for layer in self.model.layers]
-        return self._get(("accumulation", tp, dp, m, sync), make)
-
     def hop(self, b: int, tp: int, link: str) -> float:
         h = self.model.hidden_size
         return self._get(("hop", b, tp, link),
@@ -889,12 +877,11 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
     dp = cand.dp * cand.cp  # from here on: the ranks that average gradients and shard ZeRO state (dp x cp)
     kinds = [layer.kind for layer in model.layers]
     rows = {k: terms.kind(k, b, tp, cand.schedule) for k in set(kinds)}
-    sync = grad_sync(cand)
-    accumulate = terms.accumulation(tp, dp, cand.m, sync)  # in each micro-batch's backward
     fwd = [rows[k][0] for k in kinds]
-    bwd = [rows[k][1] + a for k, a in zip(kinds, accumulate)]
-    time = [rows[k][0] + rows[k][2] + g for k, g in zip(kinds, bwd)]
+    bwd = [rows[k][1] for k in kinds]
+    time = [rows[k][0] + rows[k][1] + rows[k][2] for k in kinds]
     act = [rows[k][3] for k in kinds]
+    sync = grad_sync(cand)
     state, opt, dps, gather = terms.per_layer(tp, dp, zero, links.dp_cp_group, sync)
     rec_time, rec_saving, rec_tp = terms.recompute(b, tp, cand.recompute)
     S = cand.num_stages

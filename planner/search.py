@@ -284,10 +284,8 @@ class Search:
         dp = cand.dp * cand.cp  # the ranks that average gradients and shard ZeRO state
         terms = self.terms_for(cand)
         sums = self._kind_sums(b, tp, cand.schedule, terms)
+        fsum, gsum, tsum, tmax = sums["f"], sums["g"], sums["t"], sums["tmax"]
         rows = sums["rows"]
-        acc = self._accumulation(cand, terms)  # in each layer's backward, as build_problem adds it
-        fsum, gsum, tsum = sums["f"], sums["g"] + acc["sum"], sums["t"] + acc["sum"]
-        tmax = max(sum(rows[k][:3]) + a for k, a in acc["max"].items())
         agg = self._layer_sums(tp, dp, cand.zero, links.dp_cp_group, grad_sync(cand), terms)
         rank = self._ranks(pp, cand.schedule, cand.v)
         pipe = self._pipeline(cand, links.pp, rank)[0]
@@ -376,16 +374,15 @@ class Search:
         root = root_hook_time(self.profile, dp, cand.zero)
         for k in rank:
             fixed[k] += root
-        acc = self._accumulation(cand, terms)
         for i, _, kind in self._layer_sums(cand.tp, dp, cand.zero, links.dp_cp_group, grad_sync(cand),
                                            terms)["ends"]:
-            fixed[rank[0] if i < q.first_block else rank[-1]] += sum(rows[kind][:3]) + acc["layers"][i]
+            fixed[rank[0] if i < q.first_block else rank[-1]] += sum(rows[kind][:3])
         rec_time, rec_saving, _ = terms.recompute(cand.b, cand.tp, cand.recompute)
         mode = "none" if cand.recompute == "none" else ("all" if cand.recompute_pinned else "free")
         inflight = self._inflight(cand.schedule, pp, cand.v, cand.m)
         act = rows["block"][3]
         slack = parts.limit * 1e-9  # evaluate's feasibility tolerance
-        tau = least_bottleneck(blocks, sum(rows["block"][:3]) + acc["block_min"], fixed, [x + slack for x in parts.room],
+        tau = least_bottleneck(blocks, sum(rows["block"][:3]), fixed, [x + slack for x in parts.room],
                                [parts.block_state + k * act for k in inflight], [k * rec_saving for k in inflight],
                                rec_time, mode)
         if pp == 1 or self.rate is not None:
@@ -402,20 +399,6 @@ class Search:
         need = sum(problem.fixed) + sum(problem.state) + sum(
             (problem.act[i] - (saving if kind == "block" else 0.0)) * k for i, kind in enumerate(problem.kinds))
         return need / (problem.pp * problem.mem_limit)
-
-    def _accumulation(self, cand: Candidate, terms: Terms) -> dict:
-        """Terms.accumulation summed, its largest per kind and least per block (memoised on `terms`)."""
-        dp = cand.dp * cand.cp
-        sync = grad_sync(cand)
-        key = ("accumulation sums", cand.tp, dp, cand.m, sync)
-        if key not in terms.memo:
-            layers = terms.accumulation(cand.tp, dp, cand.m, sync)
-            most: dict[str, float] = {}
-            for k, a in zip(self.quick.kinds, layers):
-                most[k] = max(most.get(k, 0.0), a)
-            terms.memo[key] = dict(layers=layers, sum=sum(layers), max=most, block_min=min(
-                (a for k, a in zip(self.quick.kinds, layers) if k == "block"), default=0.0))
-        return terms.memo[key]
 
     def _layer_sums(self, tp: int, dp: int, zero: int, link: str, sync: GradSync, terms: Terms | None = None
                     ) -> dict:

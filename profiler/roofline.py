@@ -15,8 +15,7 @@ figures (docs/sources/hardware_constants.md):
   achievable fraction; backward moves about twice the forward's bytes (reads the gradient and the saved
   input, writes the input gradient).
 - Gradient accumulation where the software adds each micro-batch's weight gradients in a pass of its own
-  (no fusion into the wgrad GEMM): bytes per weight over HBM (`grad_accum` "pass", `grad_accum_bytes`).
-  The executor's own accumulation is costed per iteration (planner/cost_accumulation.py).
+  (no fusion into the wgrad GEMM): bytes per weight over HBM (`grad_accum_bytes`; 0 by default).
 - Every kernel takes at least the launch floor.
 The measured-profile path (profiler/measure.py) does not use this module.
 """
@@ -34,7 +33,6 @@ from meshplan.profiler.moe_cost import block_ffn_time_correction
 ATTENTION = ("flash", "unfused")
 ACTIVATIONS = ("gathered", "sharded")
 GRAD_REDUCE = ("reduce_scatter", "all_reduce")
-GRAD_ACCUM = ("executor", "pass")
 TILE_M, TILE_N = 256, 128  # cuBLAS's most efficient tile (Matrix Multiplication Background guide §2.3)
 
 
@@ -77,11 +75,9 @@ class Roofline:
     # GEMM tile fixed cost in units of K, and the K of the MAMF shape (planner/cluster_spec.py); 0: none
     gemm_k0: float = 0.0
     gemm_k_ref: float = 0.0
-    # Adding up micro-batches' weight gradients: "executor", as the executor's FSDP2 does it
-    # (planner/cost_accumulation.py); "pass": a pass of its own every micro-batch moving grad_accum_bytes
-    # per weight (read the new gradient, read and write the accumulator); 0 where the wgrad GEMM
+    # Bytes per parameter a separate pass moves each micro-batch to add the weight gradients into the
+    # accumulator (read the new gradient, read and write the accumulator). 0: none, as where the wgrad GEMM
     # accumulates into it itself (Megatron-LM's gradient accumulation fusion, since 2022).
-    grad_accum: str = "executor"
     grad_accum_bytes: float = 0.0
 
     def to_dict(self) -> dict:
@@ -106,7 +102,6 @@ class Roofline:
                    f.int("comm_sms", min=0, default=0), f.int("grad_bytes", min=1, default=4),
                    f.str("grad_reduce", choices=GRAD_REDUCE, default="reduce_scatter"),
                    f.float("gemm_k0", min=0.0, default=0.0), f.float("gemm_k_ref", min=0.0, default=0.0),
-                   f.str("grad_accum", choices=GRAD_ACCUM, default="executor"),
                    f.float("grad_accum_bytes", min=0.0, default=0.0))
 
     # ---- primitives ----
@@ -137,9 +132,7 @@ class Roofline:
 
     def accumulate(self, params: float) -> float:
         """Seconds of adding one micro-batch's gradients of `params` weights into the accumulator."""
-        if self.grad_accum != "pass" or self.grad_accum_bytes <= 0:
-            return 0.0
-        return self.bytes_time(params * self.grad_accum_bytes)
+        return self.bytes_time(params * self.grad_accum_bytes) if self.grad_accum_bytes > 0 else 0.0
 
     def bytes_time(self, nbytes: float) -> float:
         return max(nbytes / (self.hbm_Bps * self.hbm_fraction), self.launch_s if nbytes > 0 else 0.0)

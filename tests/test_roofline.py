@@ -264,7 +264,7 @@ def test_separate_gradient_accumulation_pass():
 
     spec = builtin_model("gpt3-175b")
     h = spec.hidden_size
-    fused, fp16 = A100, replace(A100, grad_accum="pass", grad_accum_bytes=6.0)
+    fused, fp16 = A100, replace(A100, grad_accum_bytes=6.0)
     f0, b0 = fused.layer(spec, "block", 1, 2048, 8)
     f1, b1 = fp16.layer(spec, "block", 1, 2048, 8)
     weights = (3 * h * h + h * h + 4 * h * h + 4 * h * h) / 8  # QKV, projection, two MLP matrices
