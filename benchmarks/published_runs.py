@@ -100,7 +100,9 @@ def software(row: dict) -> dict:
     """The row's software settings; sequence parallelism as the row's layout says (on when not given)."""
     sp = row["layout"].get("sequence_parallel") is not False
     pure = "PURE" in (row["layout"].get("dtype") or "")  # llm-foundry: FSDP reduces in bf16
-    return SOFTWARE.get(row["source_key"], {}) | {"sequence_parallel": sp} | ({"grad_bytes": 2} if pure else {})
+    selective = row["layout"].get("selective_ac")  # torchtitan's selective AC policy (profiler/roofline.py)
+    return (SOFTWARE.get(row["source_key"], {}) | {"sequence_parallel": sp} | ({"grad_bytes": 2} if pure else {})
+            | ({"selective": selective} if selective else {}))
 
 
 def model_of(row: dict) -> ModelSpec:

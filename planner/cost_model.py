@@ -85,12 +85,16 @@ def recompute_time(profile, kind: str, b: int, s: int, tp: int, mode: str) -> fl
 def tp_comm_time(profile, kind: str, b: int, s: int, h: int, tp: int, dtype: str, mode: str) -> float:
     """TP collectives per micro-batch (Shoeybi et al. 2019, §3): a block does 2 all-reduces of b·s·h in
     forward and 2 in backward (with sequence parallelism the same volume as all-gather + reduce-scatter
-    pairs, Korthikanti et al. 2022 §4.2.2); full recompute repeats the 2 forward ones. The vocab-parallel
+    pairs, Korthikanti et al. 2022 §4.2.2); full recompute repeats the 2 forward ones, torchtitan's selective
+    policies (profiler/roofline.SELECTIVE) one on average: every second block repeats both, or every block
+    its two all-gathers (half an all-reduce each; reduce-scatter outputs are kept). The vocab-parallel
     embedding reduces once in forward, the head's input gradient once in backward. Zero when the profiler
     timed the layer tensor-parallel across ranks: its time includes them."""
     if tp <= 1 or profile.tp_collectives_measured(kind, tp):  # then already in the layer's time
         return 0.0
-    count = {"block": 4 + (2 if mode == "full" else 0), "embedding": 1, "head": 1}[kind]
+    r = getattr(profile, "roofline", None)
+    again = 2 if mode == "full" else 1 if mode == "selective" and r is not None and r.selective != "attention" else 0
+    count = {"block": 4 + again, "embedding": 1, "head": 1}[kind]
     nbytes = b * s * h * DTYPE_BYTES[dtype]
     return count * profile.collective_time("all_reduce", nbytes, tp, "intra_node") * profile.correction("tp_comm")
 

@@ -30,7 +30,8 @@ def layer_forward_flops(spec: ModelSpec, kind: str, b: int, s: int, tp: int = 1)
 
 def layer_activation_bytes(spec: ModelSpec, kind: str, b: int, s: int, tp: int = 1, dtype: str = "bf16",
                            recompute: str = "none", sequence_parallel: bool = False,
-                           unfused_attention: bool = False, sharded_inputs: bool = False) -> float:
+                           unfused_attention: bool = False, sharded_inputs: bool = False,
+                           selective: str = "attention") -> float:
     """Bytes saved for backward by one layer for one micro-batch on one tensor-parallel rank, counted
     tensor by tensor as the executor's layers (executor/model.py) and PyTorch's CUDA kernels save them.
     tests/test_profiler_memory.py checks the count against the profiler's saved-tensor count on CPU.
@@ -63,6 +64,11 @@ def layer_activation_bytes(spec: ModelSpec, kind: str, b: int, s: int, tp: int =
     `sharded_inputs`: what Megatron-LM keeps: the norms' outputs as sequence shards, h ÷t (SP), and for
     SwiGLU its fused activation's input (w1 and w3 outputs) and w2's input, 3f
     (megatron/core/fusions/fused_bias_swiglu.py saves the input only).
+    `selective` (profiler/roofline.SELECTIVE): what the software's selective recompute keeps. torchtitan's
+    "every-second-mm" keeps the block input, the outputs of the odd matmuls in call order (wq: q_dim, wv:
+    kv_dim, w1: f, each ÷t; SwiGLU's w2: h, its partial sums before the reduction), SDPA's output and
+    log-sum-exp, and with sequence parallelism the two reduce-scatters' outputs (h ÷t each);
+    "every-second-block": half the blocks keep everything and half their input.
     """
     B = DTYPE_BYTES[dtype]
     h, tokens = spec.hidden_size, s * b
@@ -72,6 +78,14 @@ def layer_activation_bytes(spec: ModelSpec, kind: str, b: int, s: int, tp: int =
     if kind == "block":
         if recompute == "full":
             return tokens * h * B / sp
+        if recompute == "selective" and selective == "every-second-block":
+            return 0.5 * sum(layer_activation_bytes(spec, kind, b, s, tp, dtype, r, sequence_parallel,
+                                                    unfused_attention, sharded_inputs) for r in ("none", "full"))
+        if recompute == "selective" and selective == "every-second-mm":
+            q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+            w2 = h if spec.mlp == "swiglu" else 0.0  # w2 is the 7th matmul after w1, w3 (GELU: the 6th)
+            kept = h / sp + (2 * q_dim + kv_dim + spec.ffn_hidden_size) / tp + w2 + (2 * h / sp if sp > 1 else 0)
+            return tokens * (kept * B + 4.0 * spec.num_heads / tp)
         q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         lse = 0.0 if recompute == "selective" else 4.0 * spec.num_heads / tp
         mlp = block_ffn_activation_values(spec, B)  # dense: 4f SwiGLU, 2f GELU; MoE: profiler/moe_cost.py

@@ -33,6 +33,13 @@ from meshplan.profiler.moe_cost import block_ffn_time_correction
 ATTENTION = ("flash", "unfused")
 ACTIVATIONS = ("gathered", "sharded")
 GRAD_REDUCE = ("reduce_scatter", "all_reduce")
+# What "selective" recompute reruns, by software: "attention": the attention core (Korthikanti et al. 2022
+# §4.2.2; Megatron-LM, the executor). torchtitan's selective AC (torchtitan/parallelisms/
+# parallelize_llama.py at 1ea476e9f, 2024-04): "every-second-mm" is its 'op' policy, which saves the outputs
+# of matmuls, SDPA and reduce-scatters "except every second mm" (counted per block in call order: wq, wk,
+# wv, wo, w1, w3, w2) and reruns everything else; "every-second-block" is its layer policy with
+# selective_ac_option '2', full recompute of every second block.
+SELECTIVE = ("attention", "every-second-mm", "every-second-block")
 TILE_M, TILE_N = 256, 128  # cuBLAS's most efficient tile (Matrix Multiplication Background guide §2.3)
 
 
@@ -79,6 +86,7 @@ class Roofline:
     # accumulator (read the new gradient, read and write the accumulator). 0: none, as where the wgrad GEMM
     # accumulates into it itself (Megatron-LM's gradient accumulation fusion, since 2022).
     grad_accum_bytes: float = 0.0
+    selective: str = "attention"  # what selective recompute reruns (SELECTIVE)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -102,7 +110,8 @@ class Roofline:
                    f.int("comm_sms", min=0, default=0), f.int("grad_bytes", min=1, default=4),
                    f.str("grad_reduce", choices=GRAD_REDUCE, default="reduce_scatter"),
                    f.float("gemm_k0", min=0.0, default=0.0), f.float("gemm_k_ref", min=0.0, default=0.0),
-                   f.float("grad_accum_bytes", min=0.0, default=0.0))
+                   f.float("grad_accum_bytes", min=0.0, default=0.0),
+                   f.str("selective", choices=SELECTIVE, default="attention"))
 
     # ---- primitives ----
 
@@ -221,9 +230,17 @@ class Roofline:
         raise ValueError(f"unknown layer kind {kind!r}")
 
     def recompute(self, spec: ModelSpec, b: int, s: int, tp: int, mode: str) -> float:
-        """Forward work run again in backward: the whole block (full) or the attention core (selective)."""
-        if mode == "full":
-            return self.layer(spec, "block", b, s, tp)[0]
+        """Forward work run again in backward: the whole block (full), or what the software's selective
+        policy reruns (`selective`, SELECTIVE)."""
+        if mode == "full" or (mode == "selective" and self.selective == "every-second-block"):
+            return self.layer(spec, "block", b, s, tp)[0] * (1.0 if mode == "full" else 0.5)
+        if mode == "selective" and self.selective == "every-second-mm":
+            T, h, f = b * s, spec.hidden_size, spec.ffn_hidden_size / tp
+            q, kv = spec.num_heads * spec.head_dim / tp, spec.num_kv_heads * spec.head_dim / tp
+            calls = [(T, q, h), (T, kv, h), (T, kv, h), (T, h, q)]  # wq, wk, wv, wo: separate Linears
+            calls += [(T, f, h), (T, f, h), (T, h, f)] if spec.mlp == "swiglu" else [(T, f, h), (T, h, f)]
+            sp = tp > 1 and self.sequence_parallel
+            return sum(self.gemm(*c) for c in calls[1::2]) + self.elementwise(spec, b, s, tp, sp)
         if mode == "selective":
             return self.attention_core(spec, b, s, tp)[0]
         return 0.0

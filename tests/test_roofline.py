@@ -274,3 +274,43 @@ def test_separate_gradient_accumulation_pass():
     head = fp16.layer(spec, "head", 1, 2048, 8)[1] - fused.layer(spec, "head", 1, 2048, 8)[1]
     assert head == pytest.approx(vocab_shard(spec, 8) * h * 6 / 1.725e12)  # the rank's vocabulary entries
     assert fp16.recompute(spec, 1, 2048, 8, "full") == f0  # recomputing the forward adds nothing
+
+
+def test_torchtitan_selective_policies():
+    """torchtitan's selective AC (parallelize_llama.py at 1ea476e9f). 'op': the outputs of matmuls, SDPA and
+    reduce-scatters are kept except every second matmul of a block in call order (wq, wk, wv, wo, w1, w3,
+    w2), so backward reruns wk, wo and w3 and every memory-bound op. Llama 3 8B, b = 1, s = 8192, one A100
+    rank: those three GEMMs' forward plus the block's elementwise forward; memory per token keeps the block
+    input h, wq's q, wv's kv, SDPA's output q and fp32 log-sum-exp per head, w1's f and w2's h.
+    Layer '2': full recompute of every second block, half a forward; memory halfway between none and full."""
+    from dataclasses import replace
+
+    spec = builtin_model("llama3-8b")
+    h, f, b, s = spec.hidden_size, spec.ffn_hidden_size, 1, 8192
+    q, kv, T = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, b * s
+    op, layer = replace(A100, selective="every-second-mm"), replace(A100, selective="every-second-block")
+    rerun = A100.gemm(T, kv, h) + A100.gemm(T, h, q) + A100.gemm(T, f, h) + A100.elementwise(spec, b, s, 1, False)
+    assert op.recompute(spec, b, s, 1, "selective") == pytest.approx(rerun)
+    assert layer.recompute(spec, b, s, 1, "selective") == pytest.approx(0.5 * A100.layer(spec, "block", b, s, 1)[0])
+    assert A100.recompute(spec, b, s, 1, "selective") == A100.attention_core(spec, b, s, 1)[0]  # Megatron's
+    kept = layer_activation_bytes(spec, "block", b, s, 1, "bf16", "selective", selective="every-second-mm")
+    assert kept == pytest.approx(T * ((h + q + kv + q + f + h) * 2 + 4 * spec.num_heads))
+    none, full = (layer_activation_bytes(spec, "block", b, s, 1, "bf16", r) for r in ("none", "full"))
+    half = layer_activation_bytes(spec, "block", b, s, 1, "bf16", "selective", selective="every-second-block")
+    assert half == pytest.approx((none + full) / 2) and full < kept < none
+
+
+def test_torchtitan_selective_reruns_tensor_parallel_gathers():
+    """Under torchtitan's selective policies a block's TP collectives rerun one all-reduce's worth on
+    average (every second block both forward ones; or every block its two all-gathers, half an all-reduce
+    each); Megatron's attention-core selective reruns none, full recompute two."""
+    from meshplan.planner.cost_model import tp_comm_time
+
+    spec, cluster = builtin_model("llama3-8b"), parse_cluster("8xh100-80gb")
+    one = preset_profile(spec, cluster).collective_time("all_reduce", 1 * 4096 * 4096 * 2, 8, "intra_node")
+    for selective, count in (("attention", 4), ("every-second-mm", 5), ("every-second-block", 5)):
+        profile = preset_profile(spec, cluster, selective=selective)
+        t = tp_comm_time(profile, "block", 1, 4096, 4096, 8, "bf16", "selective")
+        assert t == pytest.approx(count * one)
+    assert tp_comm_time(preset_profile(spec, cluster), "block", 1, 4096, 4096, 8, "bf16", "full") == \
+        pytest.approx(6 * one)
