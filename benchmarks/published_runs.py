@@ -59,21 +59,27 @@ DEFAULT_SOURCES = ("megatron_sc21", "korthikanti_2022", "llama3_herd_2024", "blo
 #   micro-batch's bf16 gradient to fp32 and adds it to the fp32 one (runtime/bf16_optimizer.py
 #   update_hp_grads, hp_grad.add_(lp.grad.to(fp32)) at 6719b46b, 2022-05): read 2, write 4, then read 4 + 4,
 #   write 4 = 18 bytes.
+# - The data-parallel engine's copies (fsdp_copies): FSDP2 (torchtitan, the executor) copies parameters out of
+#   its all-gather buffer and gradients into its reduce buffer; Megatron-LM's DDP and distributed optimizer
+#   reduce and gather in the parameters' and gradients' own contiguous buffers. DeepSpeed's, FSDP1's (llm-
+#   foundry) and Meta's engines are not modelled (False).
+_NO_COPIES = dict(fsdp_copies=False)
 SOFTWARE = {
     "megatron_sc21": dict(attention="unfused", activations="sharded", grad_overlap=False, grad_bytes=2,
-                          grad_accum_bytes=6),
-    "korthikanti_2022": dict(attention="unfused", activations="sharded", grad_overlap=False),
+                          grad_accum_bytes=6, **_NO_COPIES),
+    "korthikanti_2022": dict(attention="unfused", activations="sharded", grad_overlap=False, **_NO_COPIES),
     "bloom_bigscience": dict(attention="unfused", activations="sharded", grad_overlap=False,
-                             grad_reduce="all_reduce", grad_accum_bytes=18),
-    "mt_nlg_2022": dict(attention="unfused", activations="sharded", grad_overlap=False, grad_accum_bytes=6),
-    "llama3_herd_2024": dict(attention="flash", activations="sharded"),
+                             grad_reduce="all_reduce", grad_accum_bytes=18, **_NO_COPIES),
+    "mt_nlg_2022": dict(attention="unfused", activations="sharded", grad_overlap=False, grad_accum_bytes=6,
+                        **_NO_COPIES),
+    "llama3_herd_2024": dict(attention="flash", activations="sharded", **_NO_COPIES),
     # Megatron-Core (2024): Transformer Engine's flash attention, activations kept as shards, gradient
     # reduction overlapped; torchtitan: the executor's stack. llm-foundry MPT under FSDP: FlashAttention-1
     # (scripts/train/benchmarking at b2a43a147: sweep.sh passes no --attn_impl, submit_benchmarks.py
     # defaults it to 'triton', LLM Foundry's Triton port of FlashAttention-1, and installs '.[gpu]', whose
     # flash-attn is 1.0.9; FlashAttention-2 was the opt-in 'gpu-flash2' extra).
-    "megatron_readme_h100_2024": dict(attention="flash", activations="sharded"),
-    "llm_foundry_mpt": dict(attention="flash1"),
+    "megatron_readme_h100_2024": dict(attention="flash", activations="sharded", **_NO_COPIES),
+    "llm_foundry_mpt": dict(attention="flash1", **_NO_COPIES),
     "torchtitan": dict(attention="flash"),
 }
 

@@ -47,6 +47,7 @@ from meshplan.planner.cost_model import (
     Workspace,
     compute_time,
     dp_sync_time,
+    engine_copy_time,
     grad_bytes,
     optimizer_time,
     sharded_dp_time,
@@ -229,7 +230,9 @@ class _EPMixin:
                 rest = (layer.params - experts) / tp
                 out[0][i] = rest * bytes_dp + ex * bytes_edp
                 out[1][i] = optimizer_time(self.profile, rest, dp, zero, tp) + \
-                    optimizer_time(self.profile, ex, edp, zero, tp)
+                    optimizer_time(self.profile, ex, edp, zero, tp) + \
+                    engine_copy_time(self.profile, rest, self.dtype, dp, zero, sync) + \
+                    engine_copy_time(self.profile, ex, self.dtype, edp, zero, sync)
                 out[2][i] = dp_sync_time(self.profile, rest, self.dtype, dp, zero, link, sync.reductions) + \
                     dp_sync_time(self.profile, ex, self.dtype, edp, zero, link, sync.reductions)
                 out[3][i] = sharded_dp_time(self.profile, rest, self.dtype, dp, zero, link) + \

@@ -200,10 +200,13 @@ def grad_reduce_op(profile) -> str:
 class GradSync:
     """How the executor reduces a step's data-parallel gradients over its m micro-batches
     (executor/train.py). `full_grads`: unsharded gradients are held between micro-batches because
-    the reduction waits for the last one. `reductions`: gradient reductions per iteration."""
+    the reduction waits for the last one. `reductions`: gradient reductions per iteration. `gathers`:
+    parameter unshards per iteration (ZeRO-3 regathers for every micro-batch's forward and backward;
+    below it the parameters stay unsharded through the step)."""
 
     full_grads: bool
     reductions: int
+    gathers: int = 1
 
 
 def grad_sync(cand: Candidate) -> GradSync:
@@ -212,7 +215,25 @@ def grad_sync(cand: Candidate) -> GradSync:
     does every pipelined plan: torch.distributed.pipelining skips the reduction until a stage's last
     backward."""
     every = cand.zero >= 2 and cand.pp == 1 and cand.dp * cand.cp > 1 and cand.m > 1
-    return GradSync(full_grads=cand.m > 1 and not every, reductions=cand.m if every else 1)
+    return GradSync(full_grads=cand.m > 1 and not every, reductions=cand.m if every else 1,
+                    gathers=2 * cand.m if cand.zero >= 3 else 1)
+
+
+def engine_copy_time(profile, params: float, dtype: str, dp: int, zero: int, sync: GradSync) -> float:
+    """The data-parallel engine's own copies in a step, on the compute stream, for `params` elements of
+    one device (presets whose software runs FSDP2, `Roofline.fsdp_copies`; a measured profile times
+    them in situ). torch.distributed.fsdp._fully_shard (_fsdp_collectives.py, _fsdp_param_group.py):
+    each unshard copies the all-gather output into the parameters (split_with_sizes_copy: read and
+    write the compute dtype; a replicated mesh, zero 0, instead casts its fp32 copy and copies it: read
+    4, write B, when B < 4; then read B, write B), and each reduction first copies the gradients into the reduce-dtype
+    buffer (chunk_cat: read B, write the reduce dtype's bytes). `sync.gathers` unshards and
+    `sync.reductions` reductions per step; none without data parallelism (the executor runs no FSDP)."""
+    r = getattr(profile, "roofline", None)
+    if r is None or not r.fsdp_copies or dp <= 1 or profile.wrapper(zero) is not None:
+        return 0.0
+    B = DTYPE_BYTES[dtype]
+    unshard = 2 * B + (4 + B if zero == 0 and B < 4 else 0)
+    return r.bytes_time(params * (sync.gathers * unshard + sync.reductions * (B + grad_bytes(profile, dtype))))
 
 
 def _link_time(profile, ops: tuple[str, ...], params: float, dtype: str, dp: int, link_class: str) -> float:
@@ -854,7 +875,8 @@ class Terms:
                     per_mb = 0.0 if in_situ and layer.kind != "block" else \
                         sharded_dp_time(self.profile, w, self.dtype, dp, zero, link)
                     by_params[key] = (
-                        w * (pb + gb + ob), optimizer_time(self.profile, w, dp, zero, tp),
+                        w * (pb + gb + ob), optimizer_time(self.profile, w, dp, zero, tp)
+                        + engine_copy_time(self.profile, w, self.dtype, dp, zero, sync),
                         dp_sync_time(self.profile, w, self.dtype, dp, zero, link, sync.reductions), per_mb)
                 for lst, value in zip(out, by_params[key]):
                     lst.append(value)

@@ -87,6 +87,11 @@ class Roofline:
     # accumulates into it itself (Megatron-LM's gradient accumulation fusion, since 2022).
     grad_accum_bytes: float = 0.0
     selective: str = "attention"  # what selective recompute reruns (SELECTIVE)
+    # The data-parallel engine copies parameters out of its all-gather buffer and gradients into its
+    # reduce buffer (FSDP2: the executor, torchtitan; planner/cost_model.engine_copy_time). False for
+    # engines whose buffers are the parameters' and gradients' own storage (Megatron-LM's DDP and
+    # distributed optimizer), or whose copies are not modelled.
+    fsdp_copies: bool = True
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -111,7 +116,8 @@ class Roofline:
                    f.str("grad_reduce", choices=GRAD_REDUCE, default="reduce_scatter"),
                    f.float("gemm_k0", min=0.0, default=0.0), f.float("gemm_k_ref", min=0.0, default=0.0),
                    f.float("grad_accum_bytes", min=0.0, default=0.0),
-                   f.str("selective", choices=SELECTIVE, default="attention"))
+                   f.str("selective", choices=SELECTIVE, default="attention"),
+                   f.bool("fsdp_copies", default=True))
 
     # ---- primitives ----
 
