@@ -4,8 +4,9 @@ Outer space: tp (divides heads, kv heads and a node), pp, dp = world/(tp·pp), m
 (m = global/(dp·b)), schedule and virtual stages, ZeRO level, recompute mode and mesh placement. Every
 candidate gets a memory lower bound and a lower bound on the time the search reports for it: the ILP's
 closed form (planner/cost_model.py `lower_bound`) without a pipeline, else the plan's schedule simulated
-from its stage times (planner/shared_cores.py). Candidates are solved in order of that bound, and the
-search stops once it passes the k-th best distinct plan's reported time: the ranking is the one solving
+from its stage times (planner/shared_cores.py), sharpened just before solving (`refined_bound`: the busiest
+rank over whole blocks that fit its memory). Candidates are solved in order of those bounds, and the
+search stops once the least bound left passes the k-th best distinct plan's reported time: the ranking is the one solving
 every candidate would give (tests/test_search.py checks it, and each candidate's ILP optimum, against
 brute force), while only a few ILPs are solved and only plans that can still enter the ranking are
 simulated.
@@ -246,7 +247,11 @@ class Search:
 
     def limit(self, cand: Candidate) -> float:
         """Bytes the allocator may use on a rank of this candidate: capacity less reserve and margin."""
-        return usable_bytes(self.cluster.device.memory_bytes, self.c.memory_margin, self.reserve(cand))
+        key = ("limit", cand.tp, cand.pp, cand.dp, cand.cp, cand.ep)
+        if key not in self.terms.memo:
+            self.terms.memo[key] = usable_bytes(self.cluster.device.memory_bytes, self.c.memory_margin,
+                                                self.reserve(cand))
+        return self.terms.memo[key]
 
     def links(self, cand: Candidate) -> Links:
         return links_with_ep(self.placer, cand, self.placer.links(cand.pp, cand.dp, cand.tp, cand.order, cand.cp))
@@ -321,8 +326,10 @@ class Search:
             work += rec_time * math.ceil(least - 1e-9)
         bubble = bubble_micro_batches(cand.schedule, pp, cand.v, zb_ratio(fsum, gsum))
         tau = max(work / pp, tmax)
-        tail = (agg["opt"] + max(agg["dp"] - gsum, unhidden * agg["dp"])) / pp + \
-            step_sync_time(self.profile, dp * tp * pp, links)
+        sync_key = ("step sync", dp * tp * pp, links.tp, links.pp, links.dp, links.cp)
+        if sync_key not in self.terms.memo:
+            self.terms.memo[sync_key] = step_sync_time(self.profile, dp * tp * pp, links)
+        tail = (agg["opt"] + max(agg["dp"] - gsum, unhidden * agg["dp"])) / pp + self.terms.memo[sync_key]
         return _Bounds((cand.m + bubble) * tau + tail, ratio, work, tmax, tail, bubble, left, block_state, limit)
 
     def _kind_sums(self, b: int, tp: int, schedule: str, terms: Terms | None = None) -> dict:
@@ -443,13 +450,24 @@ class Search:
         closed-form time)."""
         queue = self._queue()
         board = _Board(keep)
-        for done, (reported, index, cand) in enumerate(queue):
-            if progress is not None:
-                progress(done, len(queue))
-            if reported > board.kth * TOLERANCE:
-                break  # sorted bounds: no later candidate can enter the ranking
-            if board.kth < math.inf and self.refined_bound(cand) > board.kth * TOLERANCE:
-                continue
+        # Best-first on the bounds: a candidate comes out first under its reported-time bound, goes back
+        # under its refined bound, and is solved when that is still the least bound left; so candidates
+        # are solved in order of refined bound, which finds the best plans early and ends the search as
+        # soon as the least bound left cannot enter the ranking.
+        heap = [(reported, index, False, cand) for reported, index, cand in queue]  # already sorted: a heap
+        done = 0
+        while heap:
+            bound, index, refined, cand = heapq.heappop(heap)
+            if bound > board.kth * TOLERANCE:
+                break  # no candidate left can enter the ranking
+            if not refined:
+                if progress is not None:
+                    progress(done, len(queue))
+                done += 1
+                sharper = self.refined_bound(cand)
+                if sharper > bound:
+                    heapq.heappush(heap, (sharper, index, True, cand))
+                    continue
             problem = self.problem(cand)
             solution = self.partition.solve(problem)
             if solution is None:
