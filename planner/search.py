@@ -6,10 +6,10 @@ candidate gets a memory lower bound and a lower bound on the time the search rep
 closed form (planner/cost_model.py `lower_bound`) without a pipeline, else the plan's schedule simulated
 from its stage times (planner/shared_cores.py), sharpened just before solving (`refined_bound`: the busiest
 rank over whole blocks that fit its memory). Candidates are solved in order of those bounds, and the
-search stops once the least bound left passes the k-th best distinct plan's reported time: the ranking is the one solving
-every candidate would give (tests/test_search.py checks it, and each candidate's ILP optimum, against
-brute force), while only a few ILPs are solved and only plans that can still enter the ranking are
-simulated.
+search stops once the least bound left passes the k-th best distinct plan's reported time: the ranking
+is the one solving every candidate would give (tests/test_search.py checks it, and each candidate's ILP
+optimum, against brute force), while only a few ILPs are solved and only plans that can still enter the
+ranking are simulated.
 """
 
 from __future__ import annotations
