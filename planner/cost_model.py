@@ -226,14 +226,16 @@ def engine_copy_time(profile, params: float, dtype: str, dp: int, zero: int, syn
     each unshard copies the all-gather output into the parameters (split_with_sizes_copy: read and
     write the compute dtype; a replicated mesh, zero 0, instead casts its fp32 copy and copies it: read
     4, write B, when B < 4; then read B, write B), and each reduction first copies the gradients into the reduce-dtype
-    buffer (chunk_cat: read B, write the reduce dtype's bytes). `sync.gathers` unshards and
+    buffer (chunk_cat: read B, or the reduce dtype's bytes where the micro-batches' gradients were added
+    up in it first, `sync.full_grads`; write the reduce dtype's bytes). `sync.gathers` unshards and
     `sync.reductions` reductions per step; none without data parallelism (the executor runs no FSDP)."""
     r = getattr(profile, "roofline", None)
     if r is None or not r.fsdp_copies or dp <= 1 or profile.wrapper(zero) is not None:
         return 0.0
     B = DTYPE_BYTES[dtype]
     unshard = 2 * B + (4 + B if zero == 0 and B < 4 else 0)
-    return r.bytes_time(params * (sync.gathers * unshard + sync.reductions * (B + grad_bytes(profile, dtype))))
+    g = grad_bytes(profile, dtype)
+    return r.bytes_time(params * (sync.gathers * unshard + sync.reductions * ((g if sync.full_grads else B) + g)))
 
 
 def _link_time(profile, ops: tuple[str, ...], params: float, dtype: str, dp: int, link_class: str) -> float:

@@ -321,8 +321,9 @@ def test_fsdp2_engine_copies():
     parameter) and each reduction's gradients into the fp32 reduce buffer (read 2, write 4): 8·10⁹ weights
     on one A100 80GB (1.725 TB/s achievable) under ZeRO-3 with 3 micro-batches reducing every micro-batch:
     6 unshards and 3 reductions, 8e9·(6·4 + 3·6) B. A replicated mesh (zero 0) casts its fp32 copy first
-    (read 4, write 2) and copies it (read 2, write 2). Nothing for software without the copies, for one
-    replica, or for a measured profile."""
+    (read 4, write 2) and copies it (read 2, write 2); reducing once after micro-batches added up in fp32
+    (FSDP2's accumulated gradient), its copy-in reads 4 bytes. Nothing for software without the copies,
+    for one replica, or for a measured profile."""
     from dataclasses import replace
 
     from meshplan.planner.cost_model import Candidate, GradSync, engine_copy_time, grad_sync
@@ -333,7 +334,7 @@ def test_fsdp2_engine_copies():
     z3 = GradSync(full_grads=False, reductions=3, gathers=6)
     assert engine_copy_time(profile, w, "bf16", 64, 3, z3) == pytest.approx(w * (6 * 4 + 3 * 6) / 1.725e12)
     one = GradSync(full_grads=True, reductions=1, gathers=1)
-    assert engine_copy_time(profile, w, "bf16", 64, 0, one) == pytest.approx(w * (10 + 6) / 1.725e12)
+    assert engine_copy_time(profile, w, "bf16", 64, 0, one) == pytest.approx(w * (10 + 8) / 1.725e12)
     assert engine_copy_time(profile, w, "bf16", 1, 3, z3) == 0.0
     cand = Candidate(dp=64, tp=1, pp=1, v=1, schedule="1f1b", b=1, m=3, zero=3, recompute="none")
     assert grad_sync(cand) == z3 and grad_sync(replace(cand, zero=1)).gathers == 1
