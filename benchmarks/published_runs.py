@@ -61,8 +61,10 @@ DEFAULT_SOURCES = ("megatron_sc21", "korthikanti_2022", "llama3_herd_2024", "blo
 #   write 4 = 18 bytes.
 # - The data-parallel engine's copies (fsdp_copies): FSDP2 (torchtitan, the executor) copies parameters out of
 #   its all-gather buffer and gradients into its reduce buffer; Megatron-LM's DDP and distributed optimizer
-#   reduce and gather in the parameters' and gradients' own contiguous buffers. DeepSpeed's, FSDP1's (llm-
-#   foundry) and Meta's engines are not modelled (False).
+#   reduce and gather in the parameters' and gradients' own contiguous buffers; FSDP1 (llm-foundry) gathers
+#   into its flat parameter and casts and pre-divides the gradient on its post-backward stream, beside the
+#   compute (torch/distributed/fsdp/_runtime_utils.py _post_backward_hook, _reduce_grad). DeepSpeed's and
+#   Meta's engines are not modelled (False).
 _NO_COPIES = dict(fsdp_copies=False)
 SOFTWARE = {
     "megatron_sc21": dict(attention="unfused", activations="sharded", grad_overlap=False, grad_bytes=2,
