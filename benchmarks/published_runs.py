@@ -27,6 +27,7 @@ from meshplan.planner.model_sources import builtin_model
 from meshplan.planner.model_spec import ModelSpec
 from meshplan.planner.search import find_plan
 from meshplan.profiler.presets import preset_profile
+from meshplan.profiler.software import software_settings
 from rich.console import Console
 from rich.table import Table
 
@@ -34,55 +35,33 @@ ROWS = Path(__file__).with_name("data") / "published_rows.json"
 # Sources whose rows carry a full dense layout and a bf16/fp16 time; the FSDP-only MPT table and the fp8
 # pages are left to --source.
 DEFAULT_SOURCES = ("megatron_sc21", "korthikanti_2022", "llama3_herd_2024", "bloom_bigscience", "mt_nlg_2022")
-# How each source's software ran (facts about the runs, not fitted values; profiler/roofline.py):
-# - Megatron-LM and Megatron-DeepSpeed in 2021-22 computed attention unfused, with a fused scale-mask-softmax
-#   and dropout on the b·a·s² probabilities (Korthikanti et al. 2022 §4.1, Eq. 1 counts those tensors);
-#   BLOOM and MT-NLG ran Megatron-DeepSpeed of that time. Llama 3 (2024) ran flash attention.
-# - Megatron-LM keeps sequence-parallel activations as shards (Korthikanti et al. 2022 Eq. 5); Llama 3 trained
-#   this layout at 8K without activation checkpointing (§3.3.2), which needs the same.
-# - SC'21's artifact (examples/sc21/run_table_1.sh) runs DDP=local: the gradient all-reduce follows the
-#   whole backward (Megatron-LM's --overlap-grad-reduce came in 2023).
-# - Gradients: Megatron-LM in fp16 (SC'21's runs) keeps and all-reduces 16-bit gradients (its default); in bf16
-#   it forces fp32 accumulation and reduction (megatron/training/arguments.py), as do DeepSpeed's BF16_Optimizer,
-#   FSDP with an fp32 reduce dtype (torchtitan, llm-foundry's DEFAULT mixed precision) and Llama 3 (§3.3.4):
-#   the executor's 4 bytes. llm-foundry's PURE mixed precision reduces in bf16.
-# - BLOOM and MT-NLG ran Megatron-DeepSpeed on DeepSpeed's pipeline engine, which reduces gradients after
-#   the last micro-batch (runtime/pipe/schedule.py TrainSchedule: ReduceGrads at the final step); BLOOM's
-#   BF16_Optimizer all-reduces its whole fp32 gradients before stepping its shard (runtime/pipe/engine.py
-#   _bf16_reduce_grads).
-# - Gradient accumulation (grad_accum_bytes, per weight per micro-batch): Megatron-LM's local DDP of 2021
-#   adds each micro-batch's gradient into its buffer in a hook, main_grad.add_(grad) (megatron/model/
-#   distributed.py since b4bc51b1e7, 2021-03), 16-bit for SC'21's fp16: read 2 + 2, write 2. Its gradient
-#   accumulation fusion (wgrad GEMM accumulating into main_grad, 83b1e42f30, 2022-02) removed the pass
-#   for Korthikanti et al. 2022 and later. DeepSpeed's fp16 pipeline engine (MT-NLG) leaves it to
-#   autograd's in-place add into the 16-bit .grad: 6 bytes. Its BF16_Optimizer (BLOOM) copies each
-#   micro-batch's bf16 gradient to fp32 and adds it to the fp32 one (runtime/bf16_optimizer.py
-#   update_hp_grads, hp_grad.add_(lp.grad.to(fp32)) at 6719b46b, 2022-05): read 2, write 4, then read 4 + 4,
-#   write 4 = 18 bytes.
-# - The data-parallel engine's copies (fsdp_copies): FSDP2 (torchtitan, the executor) copies parameters out of
-#   its all-gather buffer and gradients into its reduce buffer; Megatron-LM's DDP and distributed optimizer
-#   reduce and gather in the parameters' and gradients' own contiguous buffers; FSDP1 (llm-foundry) gathers
-#   into its flat parameter and casts and pre-divides the gradient on its post-backward stream, beside the
-#   compute (torch/distributed/fsdp/_runtime_utils.py _post_backward_hook, _reduce_grad). DeepSpeed's and
-#   Meta's engines are not modelled (False).
+# How each source's software ran (facts about the runs, not fitted values): a named software of
+# profiler/software.py (its docstring has the sources), or settings of its own.
+# - SC'21's artifact (examples/sc21/run_table_1.sh) runs Megatron-LM with DDP=local in fp16; Korthikanti et
+#   al. 2022 ran Megatron-LM with gradient accumulation fusion (83b1e42f30, 2022-02); BLOOM ran
+#   Megatron-DeepSpeed with the BF16_Optimizer; Megatron-Core's 2024 table is Megatron-Core.
+# - MT-NLG ran Megatron-DeepSpeed on DeepSpeed's pipeline engine before the BF16_Optimizer: autograd adds each
+#   micro-batch into the 16-bit .grad (6 bytes), gradients reduced after the last micro-batch.
+# - Llama 3 (2024) ran flash attention and kept sequence-parallel activations as shards: it trained this
+#   layout at 8K without activation checkpointing (§3.3.2), which needs them; fp32 gradients (§3.3.4).
+# - llm-foundry MPT under FSDP1: FlashAttention-1 (scripts/train/benchmarking at b2a43a147: sweep.sh passes
+#   no --attn_impl, submit_benchmarks.py defaults it to 'triton', LLM Foundry's Triton port of
+#   FlashAttention-1, and installs '.[gpu]', whose flash-attn is 1.0.9; FlashAttention-2 was the opt-in
+#   'gpu-flash2' extra). FSDP1 gathers into its flat parameter and casts and pre-divides the gradient on its
+#   post-backward stream, beside the compute (torch/distributed/fsdp/_runtime_utils.py _post_backward_hook,
+#   _reduce_grad): no copies charged. Its PURE mixed precision reduces in bf16 (`software`).
+# - torchtitan: its rows say which selective AC policy they ran (`selective_ac`).
 _NO_COPIES = dict(fsdp_copies=False)
-SOFTWARE = {
-    "megatron_sc21": dict(attention="unfused", activations="sharded", grad_overlap=False, grad_bytes=2,
-                          grad_accum_bytes=6, **_NO_COPIES),
-    "korthikanti_2022": dict(attention="unfused", activations="sharded", grad_overlap=False, **_NO_COPIES),
-    "bloom_bigscience": dict(attention="unfused", activations="sharded", grad_overlap=False,
-                             grad_reduce="all_reduce", grad_accum_bytes=18, **_NO_COPIES),
+SOFTWARE: dict[str, str | dict] = {
+    "megatron_sc21": "megatron-2021",
+    "korthikanti_2022": "megatron-2022",
+    "bloom_bigscience": "megatron-deepspeed-2022",
     "mt_nlg_2022": dict(attention="unfused", activations="sharded", grad_overlap=False, grad_accum_bytes=6,
                         **_NO_COPIES),
     "llama3_herd_2024": dict(attention="flash", activations="sharded", **_NO_COPIES),
-    # Megatron-Core (2024): Transformer Engine's flash attention, activations kept as shards, gradient
-    # reduction overlapped; torchtitan: the executor's stack. llm-foundry MPT under FSDP: FlashAttention-1
-    # (scripts/train/benchmarking at b2a43a147: sweep.sh passes no --attn_impl, submit_benchmarks.py
-    # defaults it to 'triton', LLM Foundry's Triton port of FlashAttention-1, and installs '.[gpu]', whose
-    # flash-attn is 1.0.9; FlashAttention-2 was the opt-in 'gpu-flash2' extra).
-    "megatron_readme_h100_2024": dict(attention="flash", activations="sharded", **_NO_COPIES),
+    "megatron_readme_h100_2024": "megatron",
     "llm_foundry_mpt": dict(attention="flash1", **_NO_COPIES),
-    "torchtitan": dict(attention="flash"),
+    "torchtitan": "torchtitan",
 }
 
 
@@ -109,7 +88,10 @@ def software(row: dict) -> dict:
     sp = row["layout"].get("sequence_parallel") is not False
     pure = "PURE" in (row["layout"].get("dtype") or "")  # llm-foundry: FSDP reduces in bf16
     selective = row["layout"].get("selective_ac")  # torchtitan's selective AC policy (profiler/roofline.py)
-    return (SOFTWARE.get(row["source_key"], {}) | {"sequence_parallel": sp} | ({"grad_bytes": 2} if pure else {})
+    named = SOFTWARE.get(row["source_key"], {})
+    dtype = "fp16" if row["layout"].get("dtype") == "fp16" else "bf16"
+    base = software_settings(named, dtype) if isinstance(named, str) else named
+    return (base | {"sequence_parallel": sp} | ({"grad_bytes": 2} if pure else {})
             | ({"selective": selective} if selective else {}))
 
 

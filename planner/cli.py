@@ -76,6 +76,8 @@ def fraction(text: str) -> float:
 
 
 def main_parser() -> argparse.ArgumentParser:
+    from meshplan.profiler.software import SOFTWARE  # names only: the CLI layer reaches both parts
+
     p = _Parser(
         prog="plan",
         description="Choose data, tensor and pipeline parallelism, ZeRO level, micro-batching, pipeline "
@@ -91,6 +93,10 @@ def main_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-len", type=positive_int, metavar="S",
                    help="tokens per sequence (default: the model's maximum)")
     g.add_argument("--dtype", choices=DTYPES, default="bf16", help="training precision (default: bf16)")
+    g.add_argument("--software", choices=list(SOFTWARE), default="meshplan",
+                   help="the training software GPU presets charge (default: meshplan's executor): torchtitan, "
+                        "megatron (Megatron-Core), megatron-2022 and megatron-2021 (Megatron-LM of those papers), "
+                        "megatron-deepspeed-2022; a measured profile times what it ran")
     c = p.add_argument_group("constraints (each pins one dimension; the planner chooses the rest)")
     c.add_argument("--micro-batch-size", type=positive_int, metavar="B")
     c.add_argument("--dp", type=positive_int, help="data-parallel degree")
@@ -157,7 +163,8 @@ def run_main(argv: Sequence[str]) -> int:
         from meshplan.profiler.source import profile_for
 
         # this host's CPUs with nothing measured: a small model is measured now (cached), else presets + a note
-        profile = profile_for(model, cluster, constraints.dtype, auto_measure=True, seq_len=args.seq_len)
+        profile = profile_for(model, cluster, constraints.dtype, auto_measure=True, seq_len=args.seq_len,
+                              software=args.software)
     considered: list[tuple[float, float, str]] | None = [] if args.pareto else None
     with DelayedProgress("searching plans") as progress:
         plan = find_plan(model, cluster, constraints, profile, progress=progress, considered=considered)
@@ -176,6 +183,11 @@ def run_main(argv: Sequence[str]) -> int:
         note = preset_note(profile, cluster, args.model, args.cluster, constraints.dtype, args.seq_len)
         if note:
             print(note, file=sys.stderr, flush=True)
+    if args.software != "meshplan" and (args.profile or getattr(profile, "roofline", None) is None):
+        what = (f"{args.profile} as it is" if args.profile else "CPU presets" if profile.source == "preset"
+                else "a measured profile, which times the software that ran")
+        print(f"plan: --software {args.software} applies to GPU presets; this plan uses {what}", file=sys.stderr,
+              flush=True)
     if args.json:
         print(plan.to_json())
     else:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from meshplan.planner.cli import _Parser, positive_int
 from meshplan.planner.errors import InputError
 from meshplan.planner.plan import DTYPES
+from meshplan.profiler.software import SOFTWARE
 
 _SIZE_RE = re.compile(r"^(\d+)\s*(B|KiB|MiB|GiB)?$", re.IGNORECASE)
 _UNITS = {"b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
@@ -49,6 +50,8 @@ def parser() -> argparse.ArgumentParser:
                    help="torch threads of each CPU rank (default: $OMP_NUM_THREADS, else cores / ranks)")
     p.add_argument("--preset", action="store_true",
                    help="write the preset profile (documented peak x efficiency, link datasheets) without measuring")
+    p.add_argument("--software", choices=list(SOFTWARE), default="meshplan",
+                   help="with --preset: the training software the GPU preset charges (default: meshplan's executor)")
     p.add_argument("--quiet", action="store_true", help="no progress and no tables")
     return p
 
@@ -88,8 +91,9 @@ def main(argv: Sequence[str]) -> int:
     cluster = parse_cluster(args.cluster)
     if args.preset:
         from meshplan.profiler.presets import preset_profile
+        from meshplan.profiler.software import software_settings
 
-        profile = preset_profile(model, cluster, args.dtype)
+        profile = preset_profile(model, cluster, args.dtype, **software_settings(args.software, args.dtype))
     else:
         _check(args, model, cluster)
         profile = _measure_or_cached(args, model, cluster)

@@ -15,6 +15,7 @@ from meshplan.planner.model_spec import ModelSpec
 from meshplan.profiler.analytic import layer_forward_flops
 from meshplan.profiler.presets import preset_profile
 from meshplan.profiler.profile import LINK_OPS, LinkFit, Profile
+from meshplan.profiler.software import software_settings
 
 # `plan MODEL --cluster Nxcpu|local` on a CPU-only host measures a profile by itself when none is cached and
 # the model is small (`small_enough`): the CPU presets are nominal figures and can be an order of magnitude
@@ -86,10 +87,10 @@ def small_enough(model: ModelSpec, seq_len: int | None = None, ranks: int = 1) -
 
 
 def profile_for(model: ModelSpec, cluster: ClusterSpec, dtype: str, *, auto_measure: bool = False,
-                seq_len: int | None = None) -> Profile:
+                seq_len: int | None = None, software: str = "meshplan") -> Profile:
     """The profile `plan` uses when no --profile is given: the cached measurement of this machine, else
     (auto_measure: `plan` itself, for this host's CPUs and a small model) a quick measurement, cached;
-    else presets."""
+    else presets of the named training software (profiler/software.py)."""
     where = local_device(cluster)
     if where is not None:
         from meshplan.profiler.cache import load_cached, store
@@ -110,10 +111,10 @@ def profile_for(model: ModelSpec, cluster: ClusterSpec, dtype: str, *, auto_meas
             except Exception as exc:  # the plan still comes out, from presets (and preset_note says how to retry)
                 first = (str(exc).strip().splitlines() or [""])[0]
                 print(f"plan: measuring failed ({type(exc).__name__}: {first[:200]})", file=sys.stderr)
-                return preset_profile(model, cluster, dtype)
+                return preset_profile(model, cluster, dtype, **software_settings(software, dtype))
             store(profile)
             return with_cluster_links(profile, cluster)
-    return preset_profile(model, cluster, dtype)
+    return preset_profile(model, cluster, dtype, **software_settings(software, dtype))
 
 
 def measure_command(model_arg: str, cluster_arg: str, dtype: str = "bf16", seq_len: int | None = None) -> str:

@@ -38,6 +38,7 @@ def run(capsys, *argv):
     (["tiny", "--cluster", "4xcpu", "--pp", "4", "--virtual-stages", "2"], "8 pipeline stages"),
     (["llama3-8b", "--cluster", "8xa100-80gb", "--memory-margin", "1.5"], "--memory-margin"),
     (["llama3-8b"], "--cluster"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--software", "megatron-lm"], "argument --software: invalid choice"),
     (["llama3-8b", "--cluster", "8xa100-80gb", "--bogus"], "unrecognized arguments: --bogus"),
     (["llama3-8b", "--cluster", "8xa100-80gb", "--profile", "/nonexistent/profile.json"], "profile"),
 ])
@@ -95,3 +96,21 @@ def test_installed_under_meshplan_only(tmp_path):
                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[True, True, True]"
+
+
+def test_software_sets_what_presets_charge(capsys, tmp_path):
+    """--software names the engine a GPU preset predicts (profiler/software.py): Megatron-LM of 2022
+    computes attention unfused, so the same pinned plan takes longer; the plan JSON carries the time. For
+    this host's CPUs (a measured profile or CPU presets) a one-line note says --software does not apply."""
+    import json
+
+    pinned = ["gpt3-175b", "--cluster", "8x8xa100-80gb", "--global-batch-size", "64", "--tp", "8", "--pp", "8",
+              "--recompute", "full", "--json"]
+    times = {}
+    for software in ("meshplan", "megatron-2022"):
+        code, out, _ = run(capsys, *pinned, "--software", software)
+        assert code == 0
+        times[software] = json.loads(out)["predicted"]["iteration_time_s"]
+    assert times["megatron-2022"] > times["meshplan"]
+    code, _, err = run(capsys, "tiny", "--cluster", "2xcpu", "--software", "megatron")
+    assert code == 0 and "--software megatron applies to GPU presets" in err

@@ -1,0 +1,68 @@
+"""How the training software runs on a GPU, for the preset model (profiler/roofline.py): named settings of
+`presets.device_roofline`, so that `plan --software NAME` predicts the engine a plan will run on (the
+executor by default; `plan export` hands plans to the others). Facts about each software, from its code
+or papers, not fitted values:
+
+- attention: Megatron-LM and Megatron-DeepSpeed in 2021-22 computed it unfused, with a fused
+  scale-mask-softmax and dropout on the b·a·s² probabilities (Korthikanti et al. 2022 §4.1, Eq. 1 counts
+  those tensors); Megatron-Core runs Transformer Engine's fused attention, torchtitan and the executor
+  torch's flash SDPA.
+- activations: Megatron-LM keeps sequence-parallel activations as shards and gathers them again in
+  backward (Korthikanti et al. 2022 Eq. 5); torch's SequenceParallel (torchtitan, the executor) keeps the
+  gathered input of the column-parallel Linears. Sequence parallelism came with Korthikanti et al. 2022.
+- gradient reduction: Megatron-LM's local DDP of 2021-22 all-reduces after the whole backward (SC'21's
+  artifact examples/sc21/run_table_1.sh runs DDP=local; --overlap-grad-reduce came in 2023), as does
+  DeepSpeed's pipeline engine after the last micro-batch (runtime/pipe/schedule.py TrainSchedule:
+  ReduceGrads at the final step); its BF16_Optimizer all-reduces the whole fp32 gradients before stepping
+  its shard (runtime/pipe/engine.py _bf16_reduce_grads).
+- gradient bytes: Megatron-LM in fp16 keeps and all-reduces 16-bit gradients (its default); in bf16 it
+  forces fp32 accumulation and reduction (megatron/training/arguments.py), as DeepSpeed's BF16_Optimizer,
+  FSDP with an fp32 reduce dtype and the executor do: 4 bytes.
+- gradient accumulation (grad_accum_bytes, per weight per micro-batch): Megatron-LM's local DDP of 2021
+  adds each micro-batch's gradient into its buffer in a hook, main_grad.add_(grad) (megatron/model/
+  distributed.py since b4bc51b1e7, 2021-03), 16-bit in fp16: read 2 + 2, write 2; in bf16 into the fp32
+  buffer: read 2 + 4, write 4. DeepSpeed's fp16 engine leaves it to autograd's in-place add into the
+  16-bit .grad: 6 bytes. Gradient accumulation
+  fusion (the wgrad GEMM accumulating into main_grad, 83b1e42f30, 2022-02) removed the pass. DeepSpeed's
+  BF16_Optimizer copies each micro-batch's bf16 gradient to fp32 and adds it (runtime/bf16_optimizer.py
+  update_hp_grads, hp_grad.add_(lp.grad.to(fp32)) at 6719b46b, 2022-05): read 2, write 4, read 4 + 4,
+  write 4 = 18 bytes.
+- selective recompute: Megatron's attention core (Korthikanti et al. 2022 §4.2.2); torchtitan's per-op
+  policy reruns every second matmul of a block (roofline.SELECTIVE).
+- the data-parallel engine's copies (fsdp_copies): FSDP2 (torchtitan, the executor) copies parameters out
+  of its all-gather buffer and gradients into its reduce buffer; Megatron-LM's DDP and distributed
+  optimizer reduce and gather in the parameters' and gradients' own contiguous buffers; DeepSpeed's are
+  not modelled.
+"""
+
+from __future__ import annotations
+
+from meshplan.planner.errors import InputError
+
+_MEGATRON_2022 = dict(attention="unfused", activations="sharded", grad_overlap=False, fsdp_copies=False)
+
+SOFTWARE: dict[str, dict] = {
+    # meshplan's executor (executor/): the preset model's defaults
+    "meshplan": {},
+    # torchtitan: the executor's stack (FSDP2, DTensor TP, flash SDPA); its selective AC is the per-op policy
+    "torchtitan": dict(selective="every-second-mm"),
+    # Megatron-Core (2023-): fused attention, shards kept, reduction overlapped, accumulation fused
+    "megatron": dict(activations="sharded", fsdp_copies=False),
+    # Megatron-LM as Korthikanti et al. 2022 ran it: unfused attention, reduction after the backward
+    "megatron-2022": _MEGATRON_2022,
+    # Megatron-LM as Narayanan et al. SC'21 ran it: no sequence parallelism, an accumulation pass of its own
+    # (gradients: FP16 below)
+    "megatron-2021": dict(_MEGATRON_2022, sequence_parallel=False, grad_accum_bytes=10),
+    # Megatron-DeepSpeed on DeepSpeed's pipeline engine (BLOOM, MT-NLG; 2022): in bf16 its BF16_Optimizer
+    "megatron-deepspeed-2022": dict(_MEGATRON_2022, grad_reduce="all_reduce", grad_accum_bytes=18),
+}
+# In fp16 these keep 16-bit gradients and add them up in 16 bits
+FP16 = {"megatron-2021": dict(grad_bytes=2, grad_accum_bytes=6),
+        "megatron-deepspeed-2022": dict(grad_bytes=2, grad_accum_bytes=6)}
+
+
+def software_settings(name: str, dtype: str = "bf16") -> dict:
+    """`device_roofline` settings of the named training software in this training precision."""
+    if name not in SOFTWARE:
+        raise InputError(f"--software: unknown software {name!r}; expected one of {', '.join(SOFTWARE)}")
+    return SOFTWARE[name] | (FP16.get(name, {}) if dtype == "fp16" else {})
