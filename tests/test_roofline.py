@@ -341,3 +341,20 @@ def test_fsdp2_engine_copies():
     megatron = preset_profile(spec, cluster, fsdp_copies=False)
     assert engine_copy_time(megatron, w, "bf16", 64, 3, z3) == 0.0
     assert engine_copy_time(replace(profile, roofline=None), w, "bf16", 64, 3, z3) == 0.0
+
+
+def test_named_software_settings():
+    """profiler/software.py: Megatron-LM of 2021 adds each micro-batch's gradients in a pass of its own, in
+    16 bits under fp16 (read 2 + 2, write 2) and into the fp32 buffer under bf16 (read 2 + 4, write 4), and
+    keeps 16-bit gradients only under fp16; the executor's settings are the preset model's defaults."""
+    from meshplan.planner.errors import InputError
+    from meshplan.profiler.software import software_settings
+
+    fp16, bf16 = software_settings("megatron-2021", "fp16"), software_settings("megatron-2021", "bf16")
+    assert (fp16["grad_bytes"], fp16["grad_accum_bytes"]) == (2, 6)
+    assert "grad_bytes" not in bf16 and bf16["grad_accum_bytes"] == 10
+    assert software_settings("meshplan") == {}
+    a100 = parse_cluster("8xa100-80gb")
+    assert device_roofline(a100, "bf16", **software_settings("megatron-2022")).attention == "unfused"
+    with pytest.raises(InputError, match="--software: unknown software 'megatron-lm'"):
+        software_settings("megatron-lm")
