@@ -143,6 +143,7 @@ def run_main(argv: Sequence[str]) -> int:
     from meshplan.planner.model_sources import resolve_model
     from meshplan.planner.plan import save_plan
     from meshplan.planner.search import find_plan
+    from meshplan.profiler.software import engine_limits  # what the --software engine runs
 
     args = main_parser().parse_args(argv)
     model = resolve_model(args.model)
@@ -152,7 +153,7 @@ def run_main(argv: Sequence[str]) -> int:
         micro_batch_size=args.micro_batch_size, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp,
         cp_mode=args.cp_mode, virtual_stages=args.virtual_stages, schedule=args.schedule, recompute=args.recompute,
         zero=args.zero, ep=args.ep, expert_tp=args.expert_tp, moe_imbalance=args.moe_imbalance,
-        dtype=args.dtype, memory_margin=args.memory_margin, top_k=args.top_k,
+        dtype=args.dtype, memory_margin=args.memory_margin, top_k=args.top_k, **engine_limits(args.software),
     )
     constraints.validate(model, cluster)
     if args.profile:

@@ -38,6 +38,28 @@ class Constraints:
     dtype: str = "bf16"
     memory_margin: float = 0.05  # share kept free for fragmentation, after the reserve (planner/memory_reserve.py)
     top_k: int = 3
+    # The training software the plan is for (--software, profiler/software.py) and what it can run; None:
+    # everything the executor runs, () for CP modes: no context parallelism.
+    engine: str = "meshplan"
+    engine_schedules: tuple[str, ...] | None = None
+    engine_zero: tuple[int, ...] | None = None
+    engine_cp_modes: tuple[str, ...] | None = None
+
+    def _validate_engine(self) -> None:
+        """Pins that the --software engine cannot run."""
+        def refuse(flag: str, value, allowed) -> None:
+            runs = ", ".join(str(a) for a in allowed) if allowed else "none"
+            raise InputError(f"{flag}: {self.engine} does not run {value} (it runs: {runs})")
+        if self.engine_schedules is not None and self.schedule is not None and \
+                self.schedule not in self.engine_schedules:
+            refuse("--schedule", self.schedule, self.engine_schedules)
+        if self.engine_zero is not None and self.zero is not None and self.zero not in self.engine_zero:
+            refuse("--zero", self.zero, self.engine_zero)
+        if self.engine_cp_modes is not None:
+            if self.cp is not None and self.cp > 1 and not self.engine_cp_modes:
+                refuse("--cp", f"context parallelism (cp={self.cp})", ())
+            if self.cp_mode is not None and self.cp_mode not in self.engine_cp_modes:
+                refuse("--cp-mode", self.cp_mode, self.engine_cp_modes)
 
     def _validate_cp(self, model: ModelSpec) -> None:
         """--cp / --cp-mode: what the pinned context parallelism needs of the sequence and the heads."""
@@ -106,6 +128,7 @@ class Constraints:
         if len(pinned) == 4 and product != world:
             raise InputError(f"--dp/--tp/--pp/--cp: dp x tp x pp x cp = {product}, expected the cluster's {world} "
                              "devices")
+        self._validate_engine()
         self._validate_cp(model)
         self._validate_ep(model)
         stages = (self.pp or 1) * (self.virtual_stages or 1)

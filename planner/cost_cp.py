@@ -292,10 +292,13 @@ def mode_fits(model: ModelSpec, seq: int, tp: int, cp: int, mode: str) -> bool:
 
 def _modes(cluster, constraints) -> tuple[str, ...]:
     """Modes the search may choose: the pinned one; on CPU clusters all but ring (torch's ring attention
-    has no CPU implementation in torch 2.13, DESIGN.md §7: the executor would refuse it)."""
+    has no CPU implementation in torch 2.13, DESIGN.md §7: the executor would refuse it); only those the
+    --software engine runs."""
+    engine = getattr(constraints, "engine_cp_modes", None)  # what the --software engine runs
     if getattr(constraints, "cp_mode", None) is not None:
-        return (constraints.cp_mode,)
-    return tuple(m for m in CP_MODES if m != "ring") if cluster.device.kind == "cpu" else CP_MODES
+        return (constraints.cp_mode,) if engine is None or constraints.cp_mode in engine else ()
+    modes = tuple(m for m in CP_MODES if m != "ring") if cluster.device.kind == "cpu" else CP_MODES
+    return modes if engine is None else tuple(m for m in modes if m in engine)
 
 
 def cp_degrees(model: ModelSpec, cluster, constraints, tp: int) -> list[int]:

@@ -110,6 +110,13 @@ def schedules(pp: int, m: int, num_layers: int, constraints: Constraints, blocks
     account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split; Llama 3 §3.3.2 takes one
     layer off the first and the last stage): an uneven chunk delays every micro-batch that passes it, and
     each v costs an ILP."""
+    engine = constraints.engine_schedules
+    for name, v in _schedules(pp, m, num_layers, constraints, blocks):
+        if engine is None or name in engine:
+            yield name, v
+
+
+def _schedules(pp: int, m: int, num_layers: int, constraints: Constraints, blocks: int) -> Iterator[tuple[str, int]]:
     pin_s, pin_v = constraints.schedule, constraints.virtual_stages
     if pp == 1:
         options = [("1f1b", 1), ("gpipe", 1)] if pin_s in (None, "1f1b", "gpipe") else []
@@ -154,6 +161,8 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints,
                 m = gbs // (dp * b)
                 for schedule, v in schedules(pp, m, n_layers, c, model.num_layers):
                     for zero in ([c.zero] if c.zero is not None else range(4 if dp * cp > 1 else 1)):
+                        if c.engine_zero is not None and zero not in c.engine_zero and dp * cp > 1:
+                            continue  # a ZeRO level the --software engine does not run
                         if schedule == "zero-bubble" and zero == 3:
                             continue  # the executor refuses it: FSDP2 resharding breaks the split backward
                         if c.recompute is not None:

@@ -39,6 +39,14 @@ def run(capsys, *argv):
     (["llama3-8b", "--cluster", "8xa100-80gb", "--memory-margin", "1.5"], "--memory-margin"),
     (["llama3-8b"], "--cluster"),
     (["llama3-8b", "--cluster", "8xa100-80gb", "--software", "megatron-lm"], "argument --software: invalid choice"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--software", "megatron", "--schedule", "zero-bubble"],
+     "--schedule: megatron does not run zero-bubble (it runs: 1f1b, interleaved-1f1b)"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--software", "megatron-deepspeed-2022", "--zero", "3"],
+     "--zero: megatron-deepspeed-2022 does not run 3"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--seq-len", "8192", "--software", "megatron-2021", "--cp", "2"],
+     "--cp: megatron-2021 does not run context parallelism"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--seq-len", "8192", "--software", "torchtitan", "--cp", "2",
+      "--cp-mode", "all-to-all"], "--cp-mode: torchtitan does not run all-to-all"),
     (["llama3-8b", "--cluster", "8xa100-80gb", "--bogus"], "unrecognized arguments: --bogus"),
     (["llama3-8b", "--cluster", "8xa100-80gb", "--profile", "/nonexistent/profile.json"], "profile"),
 ])
@@ -114,3 +122,18 @@ def test_software_sets_what_presets_charge(capsys, tmp_path):
     assert times["megatron-2022"] > times["meshplan"]
     code, _, err = run(capsys, "tiny", "--cluster", "2xcpu", "--software", "megatron")
     assert code == 0 and "--software megatron applies to GPU presets" in err
+
+
+def test_software_limits_the_search(capsys):
+    """The --software engine's schedules, ZeRO levels and CP modes bound the search: DeepSpeed's pipeline
+    engine runs 1F1B with ZeRO 0 or 1, Megatron-LM of 2021 no context parallelism."""
+    import json
+
+    code, out, _ = run(capsys, "gpt3-175b", "--cluster", "16x8xa100-80gb", "--global-batch-size", "256",
+                       "--software", "megatron-deepspeed-2022", "--json")
+    assert code == 0
+    plans = [json.loads(out)] + json.loads(out)["alternatives"]
+    assert all(p["parallel"]["schedule"] == "1f1b" and p["parallel"]["zero"] <= 1 for p in plans)
+    code, out, _ = run(capsys, "llama3-8b", "--cluster", "8xh100-80gb", "--seq-len", "131072",
+                       "--global-batch-size", "8", "--software", "megatron-2021", "--json")
+    assert code == 0 and json.loads(out)["parallel"]["cp"] == 1
