@@ -49,7 +49,8 @@ DEFAULT_SOURCES = ("megatron_sc21", "korthikanti_2022", "llama3_herd_2024", "blo
 #   FlashAttention-1, and installs '.[gpu]', whose flash-attn is 1.0.9; FlashAttention-2 was the opt-in
 #   'gpu-flash2' extra). FSDP1 gathers into its flat parameter and casts and pre-divides the gradient on its
 #   post-backward stream, beside the compute (torch/distributed/fsdp/_runtime_utils.py _post_backward_hook,
-#   _reduce_grad): no copies charged. Its PURE mixed precision reduces in bf16 (`software`).
+#   _reduce_grad): no copies charged. Its PURE mixed precision reduces in bf16 (`software`). Its default loss
+#   is fused ('fused_crossentropy': flash-attn's CrossEntropyLoss, llmfoundry/models/mpt/modeling_mpt.py).
 # - torchtitan: its rows say which selective AC policy they ran (`selective_ac`).
 _NO_COPIES = dict(fsdp_copies=False)
 SOFTWARE: dict[str, str | dict] = {
@@ -60,7 +61,7 @@ SOFTWARE: dict[str, str | dict] = {
                         **_NO_COPIES),
     "llama3_herd_2024": dict(attention="flash", activations="sharded", **_NO_COPIES),
     "megatron_readme_h100_2024": "megatron",
-    "llm_foundry_mpt": dict(attention="flash1", **_NO_COPIES),
+    "llm_foundry_mpt": dict(attention="flash1", loss="fused", **_NO_COPIES),
     "torchtitan": "torchtitan",
 }
 

@@ -31,7 +31,7 @@ def layer_forward_flops(spec: ModelSpec, kind: str, b: int, s: int, tp: int = 1)
 def layer_activation_bytes(spec: ModelSpec, kind: str, b: int, s: int, tp: int = 1, dtype: str = "bf16",
                            recompute: str = "none", sequence_parallel: bool = False,
                            unfused_attention: bool = False, sharded_inputs: bool = False,
-                           selective: str = "attention") -> float:
+                           selective: str = "attention", fused_loss: bool = False) -> float:
     """Bytes saved for backward by one layer for one micro-batch on one tensor-parallel rank, counted
     tensor by tensor as the executor's layers (executor/model.py) and PyTorch's CUDA kernels save them.
     tests/test_profiler_memory.py checks the count against the profiler's saved-tensor count on CPU.
@@ -55,7 +55,8 @@ def layer_activation_bytes(spec: ModelSpec, kind: str, b: int, s: int, tp: int =
     CPU's RMSNorm is not fused and keeps fp32 copies as well; a measured profile's ratio corrects for it.
     Head: the norm's input and statistics (÷t with SP), its output h (gathered), and the fp32 log-softmax
     of the loss over the rank's vocabulary shard, V/t (the executor's loss is vocabulary-parallel; V when
-    t does not divide V and the head is replicated).
+    t does not divide V and the head is replicated); a fused cross-entropy (`fused_loss`,
+    profiler/roofline.LOSS) keeps the 16-bit logits and an fp32 log-sum-exp per token instead.
     Embedding: the token ids (int64).
     Unfused attention (Megatron-LM before flash attention; GPU presets can model it): the softmax output,
     the dropout mask (one byte) and the dropout output, each heads/t x s x s per sample: 5·a·s²·b/t bytes
@@ -98,7 +99,9 @@ def layer_activation_bytes(spec: ModelSpec, kind: str, b: int, s: int, tp: int =
             per_token += 2 * h / sp + (0 if recompute == "selective" else (2 * B + 1) * spec.num_heads * s / tp)
         return tokens * per_token + rope
     if kind == "head":
-        return tokens * (norm_kept + h * B / (sp if sharded_inputs else 1) + 4.0 * vocab_shard(spec, tp))
+        V = vocab_shard(spec, tp)
+        loss = V * B + 4.0 if fused_loss else 4.0 * V  # fused: the 16-bit logits and a log-sum-exp
+        return tokens * (norm_kept + h * B / (sp if sharded_inputs else 1) + loss)
     if kind == "embedding":
         return 8.0 * tokens
     raise ValueError(f"unknown layer kind {kind!r}")

@@ -396,7 +396,8 @@ class Profile:
         analytic = layer_activation_bytes(self.model, kind, b, s, tp, self.dtype, recompute, sequence_parallel,
                                           unfused_attention=r is not None and r.attention == "unfused",
                                           sharded_inputs=r is not None and r.activations == "sharded",
-                                          selective=r.selective if r is not None else "attention")
+                                          selective=r.selective if r is not None else "attention",
+                                          fused_loss=r is not None and r.loss == "fused")
         ratios = [m.activation_bytes / a for m in self.memory if m.kind == kind and m.recompute == recompute
                   for a in [layer_activation_bytes(self.model, kind, m.micro_batch_size, m.seq_len, m.tp,
                                                    self.dtype, recompute)] if a > 0]

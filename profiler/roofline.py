@@ -40,6 +40,11 @@ GRAD_REDUCE = ("reduce_scatter", "all_reduce")
 # wv, wo, w1, w3, w2) and reruns everything else; "every-second-block" is its layer policy with
 # selective_ac_option '2', full recompute of every second block.
 SELECTIVE = ("attention", "every-second-mm", "every-second-block")
+# The loss: "fp32", the executor's (the logits upcast, an fp32 log-softmax kept for backward); "fused", a fused
+# cross-entropy kernel (flash-attn's losses/cross_entropy.py, llm-foundry's default loss_fn
+# 'fused_crossentropy'): it keeps the 16-bit logits and an fp32 log-sum-exp per token, reads the logits once
+# forward and once backward, and writes their 16-bit gradient.
+LOSS = ("fp32", "fused")
 TILE_M, TILE_N = 256, 128  # cuBLAS's most efficient tile (Matrix Multiplication Background guide §2.3)
 
 
@@ -92,6 +97,7 @@ class Roofline:
     # engines whose buffers are the parameters' and gradients' own storage (Megatron-LM's DDP and
     # distributed optimizer), or whose copies are not modelled.
     fsdp_copies: bool = True
+    loss: str = "fp32"  # LOSS
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,7 +123,7 @@ class Roofline:
                    f.float("gemm_k0", min=0.0, default=0.0), f.float("gemm_k_ref", min=0.0, default=0.0),
                    f.float("grad_accum_bytes", min=0.0, default=0.0),
                    f.str("selective", choices=SELECTIVE, default="attention"),
-                   f.bool("fsdp_copies", default=True))
+                   f.bool("fsdp_copies", default=True), f.str("loss", choices=LOSS, default="fp32"))
 
     # ---- primitives ----
 
@@ -228,6 +234,8 @@ class Roofline:
             a, g = self.gemm_fwd_bwd(T, V, h)
             g += self.accumulate(V * h)
             norm = self.bytes_time(T * 2 * h * B / (tp if sp else 1))
+            if self.loss == "fused":  # read the logits; backward: read them, write their gradient
+                return a + norm + self.bytes_time(T * V * B), g + 2 * norm + self.bytes_time(T * V * 2 * B)
             loss = self.bytes_time(T * V * (B + 4 + 4))  # logits in, fp32 log-softmax out, read for the loss
             return a + norm + loss, g + 2 * norm + self.bytes_time(T * V * (4 + B))
         if kind == "embedding":

@@ -358,3 +358,29 @@ def test_named_software_settings():
     assert device_roofline(a100, "bf16", **software_settings("megatron-2022")).attention == "unfused"
     with pytest.raises(InputError, match="--software: unknown software 'megatron-lm'"):
         software_settings("megatron-lm")
+
+
+def test_fused_cross_entropy_loss():
+    """A fused cross-entropy (flash-attn's, llm-foundry's default loss) reads the bf16 logits once forward
+    and once backward, writing their bf16 gradient: T·V·2 and T·V·4 bytes against the fp32 loss's
+    T·V·(2 + 4 + 4) and T·V·(4 + 2). It keeps the logits and a 4-byte log-sum-exp per token instead of the
+    fp32 log-softmax, and its backward allocates only the bf16 gradient of the logits."""
+    from dataclasses import replace
+
+    from meshplan.planner.cost_model import Candidate, step_transients
+
+    spec, b, s = builtin_model("gpt2"), 8, 1024
+    T, V, h = b * s, spec.vocab_size, spec.hidden_size
+    fused = replace(A100, loss="fused")
+    f32, f16 = A100.layer(spec, "head", b, s, 1), fused.layer(spec, "head", b, s, 1)
+    assert f32[0] - f16[0] == pytest.approx(A100.bytes_time(T * V * 10) - A100.bytes_time(T * V * 2))
+    assert f32[1] - f16[1] == pytest.approx(A100.bytes_time(T * V * 6) - A100.bytes_time(T * V * 4))
+    kept = layer_activation_bytes(spec, "head", b, s, 1, "bf16", fused_loss=True)
+    assert kept - layer_activation_bytes(spec, "head", b, s, 1, "bf16") == pytest.approx(T * (V * 2 + 4 - 4 * V))
+    cand = Candidate(dp=1, tp=1, pp=1, v=1, schedule="1f1b", b=b, m=1, zero=0, recompute="none")
+    plain, fast = (step_transients(spec, cand, s, "bf16", [0], f) for f in (False, True))
+    # one replica of tied gpt2: a new fp32 table gradient (V·h·4) with the logits' gradient; fp32 loss:
+    # the larger of that and the two fp32 gradients of its backward
+    assert spec.tied_embeddings
+    assert plain.act[0] == pytest.approx(max(2 * T * V * 4, T * V * 4 + V * h * 4))
+    assert fast.act[0] == pytest.approx(T * V * 2 + V * h * 4)
