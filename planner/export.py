@@ -279,6 +279,11 @@ EXPORTERS: dict[str, Callable[..., str]] = {"megatron": to_megatron, "torchtitan
                                             "deepspeed": to_deepspeed}
 
 
+# The `plan --software` names whose costs an export target runs (profiler/software.py); the first to suggest
+SOFTWARE_OF = {"megatron": ("megatron", "megatron-2022", "megatron-2021"), "torchtitan": ("torchtitan",),
+               "deepspeed": ("megatron-deepspeed-2022",)}
+
+
 def main(argv: Sequence[str]) -> int:
     p = _Parser(prog="plan export", description="Print a plan as the arguments or config file of another "
                 "training engine. Plan features the engine cannot express are named on stderr, one line each.")
@@ -289,6 +294,10 @@ def main(argv: Sequence[str]) -> int:
     plan = load_plan(args.plan)
     warnings: list[str] = []
     text = EXPORTERS[args.format](plan, warnings)
+    software = plan.search.software
+    if software and software not in SOFTWARE_OF[args.format]:
+        warnings.append(f"the plan's times were costed as {software} runs it (GPU presets); for {args.format}'s, "
+                        f"plan again with --software {SOFTWARE_OF[args.format][0]}")
     for w in warnings:
         print(f"plan export: warning: {w}", file=sys.stderr)
     if args.output:

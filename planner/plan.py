@@ -174,12 +174,15 @@ class SearchStats:
     feasible: int = 0
     seconds: float = 0.0
     solver: str = ""
+    # the training software GPU presets charged the predictions to (plan --software); "" for a measured
+    # profile, which times what ran, and for plans written before the field
+    software: str = ""
 
     @classmethod
     def from_dict(cls, data: dict, path: str) -> SearchStats:
         f = Fields(data, path)
         return cls(f.int("candidates", min=0), f.int("feasible", min=0), f.float("seconds", min=0.0),
-                   f.str("solver"))
+                   f.str("solver"), f.str("software", default=""))
 
 
 @dataclass

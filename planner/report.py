@@ -76,8 +76,9 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
         console.print(line)
     s = plan.search
     per = s.seconds / s.candidates * 1e6 if s.candidates else 0.0
+    costed = f"; costed as {s.software} runs it" if s.software else ""  # GPU presets (plan --software)
     console.print(f"search: {s.candidates} candidates ({per:.0f} us each), {s.feasible} solved feasible, "
-                  f"{s.seconds:.2f} s,\n  solver {s.solver}")
+                  f"{s.seconds:.2f} s,\n  solver {s.solver}{costed}")
 
 
 def exposed_lines(exposed: dict[str, float], iteration: float) -> list:

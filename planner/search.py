@@ -702,7 +702,8 @@ def find_plan(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints, 
                         solver=f"{search.partition.solver} via PuLP ({search.partition.solves} ILPs, "
                                f"{search.partition.hits} cache hits"
                                + (f", {ilp.TIME_LIMITED[0] - limited} stopped at the {ilp.TIME_LIMIT_S:.0f} s limit"
-                                  if ilp.TIME_LIMITED[0] > limited else "") + ")")
+                                  if ilp.TIME_LIMITED[0] > limited else "") + ")",
+                        software=getattr(getattr(profile, "roofline", None), "software", ""))
     plan = to_plan(search, results, stats)
     from meshplan.planner.cp_report import cp_choice_notes
 

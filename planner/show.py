@@ -127,7 +127,8 @@ def summary(plan: Plan, timeline: Timeline | None, width: int) -> list:
     s = plan.search
     if s.candidates or s.solver:
         out.append(Text(f"search: {s.candidates} candidates, {s.feasible} feasible, {s.seconds:.2f} s"
-                        + (f", solver {s.solver}" if s.solver else "")))
+                        + (f", solver {s.solver}" if s.solver else "")
+                        + (f"; costed as {s.software} runs it (GPU presets)" if s.software else "")))
     return out
 
 

@@ -98,6 +98,7 @@ class Roofline:
     # distributed optimizer), or whose copies are not modelled.
     fsdp_copies: bool = True
     loss: str = "fp32"  # LOSS
+    software: str = "meshplan"  # the name these settings were made from (profiler/software.py), for reports
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -123,7 +124,8 @@ class Roofline:
                    f.float("gemm_k0", min=0.0, default=0.0), f.float("gemm_k_ref", min=0.0, default=0.0),
                    f.float("grad_accum_bytes", min=0.0, default=0.0),
                    f.str("selective", choices=SELECTIVE, default="attention"),
-                   f.bool("fsdp_copies", default=True), f.str("loss", choices=LOSS, default="fp32"))
+                   f.bool("fsdp_copies", default=True), f.str("loss", choices=LOSS, default="fp32"),
+                   f.str("software", default="meshplan"))
 
     # ---- primitives ----
 

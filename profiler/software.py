@@ -89,4 +89,4 @@ def software_settings(name: str, dtype: str = "bf16") -> dict:
     """`device_roofline` settings of the named training software in this training precision."""
     if name not in SOFTWARE:
         raise InputError(f"--software: unknown software {name!r}; expected one of {', '.join(SOFTWARE)}")
-    return SOFTWARE[name] | (FP16.get(name, {}) if dtype == "fp16" else {})
+    return SOFTWARE[name] | (FP16.get(name, {}) if dtype == "fp16" else {}) | {"software": name}

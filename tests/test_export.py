@@ -176,3 +176,20 @@ def test_cp_lines_name_mode_group_exposure_and_engines(mode, comm, engines):
     assert "CP groups of 2 ranks each inside one node" in text and "exposed CP communication 12.3 ms" in text
     assert f"cp mode {mode} runs on:" in text and engines in text
     assert cp_lines(make_plan(model="tiny", cluster="8xa100-80gb")) == []
+
+
+def test_plan_records_the_software_it_was_costed_for(tmp_path, capsys):
+    """A plan from GPU presets records the --software its times were costed for (search.software, read back
+    from the JSON); exporting it to another engine warns, one line, how to cost it for that engine."""
+    from meshplan.planner.plan import load_plan
+
+    out = tmp_path / "plan.json"
+    assert main(["llama3-8b", "--cluster", "2x8xa100-80gb", "--global-batch-size", "32", "--software",
+                 "megatron-2022", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert load_plan(str(out)).search.software == "megatron-2022"
+    assert main(["export", str(out), "--format", "megatron"]) == 0
+    assert "costed as" not in capsys.readouterr().err
+    assert main(["export", str(out), "--format", "torchtitan"]) == 0
+    assert "costed as megatron-2022 runs it (GPU presets); for torchtitan's, plan again with --software " \
+           "torchtitan" in capsys.readouterr().err

@@ -353,7 +353,7 @@ def test_named_software_settings():
     fp16, bf16 = software_settings("megatron-2021", "fp16"), software_settings("megatron-2021", "bf16")
     assert (fp16["grad_bytes"], fp16["grad_accum_bytes"]) == (2, 6)
     assert "grad_bytes" not in bf16 and bf16["grad_accum_bytes"] == 10
-    assert software_settings("meshplan") == {}
+    assert software_settings("meshplan") == {"software": "meshplan"}  # the executor's: the defaults
     a100 = parse_cluster("8xa100-80gb")
     assert device_roofline(a100, "bf16", **software_settings("megatron-2022")).attention == "unfused"
     with pytest.raises(InputError, match="--software: unknown software 'megatron-lm'"):
