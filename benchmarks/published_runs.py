@@ -27,7 +27,7 @@ from meshplan.planner.model_sources import builtin_model
 from meshplan.planner.model_spec import ModelSpec
 from meshplan.planner.search import find_plan
 from meshplan.profiler.presets import preset_profile
-from meshplan.profiler.software import software_settings
+from meshplan.profiler.software import engine_limits, software_settings
 from rich.console import Console
 from rich.table import Table
 
@@ -64,6 +64,11 @@ SOFTWARE: dict[str, str | dict] = {
     "llm_foundry_mpt": dict(attention="flash1", loss="fused", **_NO_COPIES),
     "torchtitan": "torchtitan",
 }
+
+
+# The engine whose schedules, ZeRO levels and CP modes a source's free choice keeps to, where its settings
+# are not a named software: MT-NLG ran DeepSpeed's pipeline engine (1F1B, ZeRO 0/1).
+ENGINE = {"mt_nlg_2022": "megatron-deepspeed-2022"}
 
 
 # Context parallelism as each source ran it: Llama 3 all-gathers K and V before attention ("our CP
@@ -141,8 +146,9 @@ def constraints_of(row: dict, pinned: bool) -> Constraints:
     lay, m = row["layout"], row["model"]
     c = Constraints(global_batch_size=lay["global_batch_size"], seq_len=m["seq_len"], top_k=1,
                     dtype="fp16" if lay.get("dtype") == "fp16" else "bf16")
-    if not pinned:
-        return c
+    if not pinned:  # the free choice keeps to what the row's software runs
+        engine = ENGINE.get(row["source_key"]) or SOFTWARE.get(row["source_key"])
+        return replace(c, **engine_limits(engine)) if isinstance(engine, str) else c
     v = lay.get("virtual_stages") or 1
     schedule = "interleaved-1f1b" if v > 1 else ("1f1b" if lay["pp"] > 1 else None)
     if lay.get("virtual_stages") is None:  # not published: the planner picks the schedule

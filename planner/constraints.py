@@ -44,6 +44,7 @@ class Constraints:
     engine_schedules: tuple[str, ...] | None = None
     engine_zero: tuple[int, ...] | None = None
     engine_cp_modes: tuple[str, ...] | None = None
+    engine_recompute: tuple[str, ...] | None = None
 
     def _validate_engine(self) -> None:
         """Pins that the --software engine cannot run."""
@@ -55,6 +56,9 @@ class Constraints:
             refuse("--schedule", self.schedule, self.engine_schedules)
         if self.engine_zero is not None and self.zero is not None and self.zero not in self.engine_zero:
             refuse("--zero", self.zero, self.engine_zero)
+        if self.engine_recompute is not None and self.recompute is not None and \
+                self.recompute not in self.engine_recompute:
+            refuse("--recompute", self.recompute, self.engine_recompute)
         if self.engine_cp_modes is not None:
             if self.cp is not None and self.cp > 1 and not self.engine_cp_modes:
                 refuse("--cp", f"context parallelism (cp={self.cp})", ())

@@ -168,7 +168,9 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints,
                         if c.recompute is not None:
                             modes = [(c.recompute, c.recompute != "none")]
                         else:  # the ILP counts full recompute per stage; the executor's selective is all blocks
-                            modes = [("none", False), ("selective", True), ("full", False)]
+                            modes = [(mode, pinned) for mode, pinned in (("none", False), ("selective", True),
+                                                                         ("full", False))
+                                     if c.engine_recompute is None or mode in c.engine_recompute]
                         for mode, pinned in modes:
                             for order in placer.orders(pp, dp, tp, cp):
                                 for cp_mode in cp_modes(model, cluster, c, tp, cp):

@@ -64,23 +64,27 @@ FP16 = {"megatron-2021": dict(grad_bytes=2, grad_accum_bytes=6),
 # What each engine can run, for the search (Constraints.engine_*; None: all the executor runs). Megatron-LM
 # has no GPipe or zero-bubble schedule; its --cp-comm-type is p2p (ring), allgather or a2a, from Megatron-Core
 # (2023; none before); ZeRO-2/3 as Megatron-FSDP, ZeRO-1 as --use-distributed-optimizer (2022; SC'21's
-# artifact runs neither). DeepSpeed's pipeline engine runs 1F1B (runtime/pipe/schedule.py TrainSchedule)
-# with ZeRO stage 0 or 1; Ulysses (2023) came after. torchtitan's context parallelism is torch's ring
-# attention (rotate methods allgather or alltoall), not Ulysses. planner/export.py and export_cp.py name the
-# same limits when a plan is exported.
+# artifact runs neither); selective recompute came with Korthikanti et al. 2022. DeepSpeed's pipeline engine
+# runs 1F1B (runtime/pipe/schedule.py TrainSchedule) with ZeRO stage 0 or 1, and checkpoints whole blocks
+# (deepspeed.checkpointing, no selective policy); Ulysses (2023) came after. torchtitan's context
+# parallelism is torch's ring attention (rotate methods allgather or alltoall), not Ulysses.
+# planner/export.py and export_cp.py name the same limits when a plan is exported.
 _MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
 ENGINES: dict[str, dict] = {
     "meshplan": {},
     "torchtitan": dict(engine_cp_modes=("ring", "all-gather")),
     "megatron": dict(engine_schedules=_MEGATRON_SCHEDULES),
     "megatron-2022": dict(engine_schedules=_MEGATRON_SCHEDULES, engine_zero=(0, 1), engine_cp_modes=()),
-    "megatron-2021": dict(engine_schedules=_MEGATRON_SCHEDULES, engine_zero=(0,), engine_cp_modes=()),
-    "megatron-deepspeed-2022": dict(engine_schedules=("1f1b",), engine_zero=(0, 1), engine_cp_modes=()),
+    "megatron-2021": dict(engine_schedules=_MEGATRON_SCHEDULES, engine_zero=(0,), engine_cp_modes=(),
+                          engine_recompute=("none", "full")),
+    "megatron-deepspeed-2022": dict(engine_schedules=("1f1b",), engine_zero=(0, 1), engine_cp_modes=(),
+                                    engine_recompute=("none", "full")),
 }
 
 
 def engine_limits(name: str) -> dict:
-    """Constraints fields (engine, engine_schedules, engine_zero, engine_cp_modes) of the named software."""
+    """Constraints fields (engine, engine_schedules, engine_zero, engine_cp_modes, engine_recompute) of the
+    named software."""
     software_settings(name)  # the same one-line error for an unknown name
     return {"engine": name, **ENGINES[name]}
 
