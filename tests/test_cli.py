@@ -43,6 +43,8 @@ def run(capsys, *argv):
      "--schedule: megatron does not run zero-bubble (it runs: 1f1b, interleaved-1f1b)"),
     (["llama3-8b", "--cluster", "8xa100-80gb", "--software", "megatron-deepspeed-2022", "--zero", "3"],
      "--zero: megatron-deepspeed-2022 does not run 3"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--software", "megatron-2021", "--recompute", "selective"],
+     "--recompute: megatron-2021 does not run selective (it runs: none, full)"),
     (["llama3-8b", "--cluster", "8xa100-80gb", "--seq-len", "8192", "--software", "megatron-2021", "--cp", "2"],
      "--cp: megatron-2021 does not run context parallelism"),
     (["llama3-8b", "--cluster", "8xa100-80gb", "--seq-len", "8192", "--software", "torchtitan", "--cp", "2",
