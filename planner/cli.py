@@ -93,8 +93,9 @@ def main_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-len", type=positive_int, metavar="S",
                    help="tokens per sequence (default: the model's maximum)")
     g.add_argument("--dtype", choices=DTYPES, default="bf16", help="training precision (default: bf16)")
-    g.add_argument("--software", choices=list(SOFTWARE), default="meshplan",
-                   help="the training software GPU presets charge (default: meshplan's executor): torchtitan, "
+    g.add_argument("--software", choices=list(SOFTWARE),
+                   help="the training software GPU presets charge and the search keeps to (default: a preset "
+                        "--profile's, else meshplan's executor): torchtitan, "
                         "megatron (Megatron-Core), megatron-2022 and megatron-2021 (Megatron-LM of those papers), "
                         "megatron-deepspeed-2022; a measured profile times what it ran")
     c = p.add_argument_group("constraints (each pins one dimension; the planner chooses the rest)")
@@ -148,24 +149,27 @@ def run_main(argv: Sequence[str]) -> int:
     args = main_parser().parse_args(argv)
     model = resolve_model(args.model)
     cluster = parse_cluster(args.cluster)
+    profile = None
+    if args.profile:
+        from meshplan.profiler.profile import load_profile
+
+        profile = load_profile(args.profile, model=model)
+    # the engine: --software, else the one a preset profile file was made for, else the executor
+    software = args.software or getattr(getattr(profile, "roofline", None), "software", None) or "meshplan"
     constraints = Constraints(
         global_batch_size=args.global_batch_size or max(8, 2 * cluster.world_size), seq_len=args.seq_len,
         micro_batch_size=args.micro_batch_size, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp,
         cp_mode=args.cp_mode, virtual_stages=args.virtual_stages, schedule=args.schedule, recompute=args.recompute,
         zero=args.zero, ep=args.ep, expert_tp=args.expert_tp, moe_imbalance=args.moe_imbalance,
-        dtype=args.dtype, memory_margin=args.memory_margin, top_k=args.top_k, **engine_limits(args.software),
+        dtype=args.dtype, memory_margin=args.memory_margin, top_k=args.top_k, **engine_limits(software),
     )
     constraints.validate(model, cluster)
-    if args.profile:
-        from meshplan.profiler.profile import load_profile
-
-        profile = load_profile(args.profile, model=model)
-    else:
+    if profile is None:
         from meshplan.profiler.source import profile_for
 
         # this host's CPUs with nothing measured: a small model is measured now (cached), else presets + a note
         profile = profile_for(model, cluster, constraints.dtype, auto_measure=True, seq_len=args.seq_len,
-                              software=args.software)
+                              software=software)
     considered: list[tuple[float, float, str]] | None = [] if args.pareto else None
     with DelayedProgress("searching plans") as progress:
         plan = find_plan(model, cluster, constraints, profile, progress=progress, considered=considered)
@@ -184,7 +188,8 @@ def run_main(argv: Sequence[str]) -> int:
         note = preset_note(profile, cluster, args.model, args.cluster, constraints.dtype, args.seq_len)
         if note:
             print(note, file=sys.stderr, flush=True)
-    if args.software != "meshplan" and (args.profile or getattr(profile, "roofline", None) is None):
+    if args.software not in (None, "meshplan", getattr(getattr(profile, "roofline", None), "software", None)) \
+            and (args.profile or getattr(profile, "roofline", None) is None):
         what = (f"{args.profile} as it is" if args.profile else "CPU presets" if profile.source == "preset"
                 else "a measured profile, which times the software that ran")
         print(f"plan: --software {args.software} applies to GPU presets; this plan uses {what}", file=sys.stderr,

@@ -139,3 +139,20 @@ def test_software_limits_the_search(capsys):
     code, out, _ = run(capsys, "llama3-8b", "--cluster", "8xh100-80gb", "--seq-len", "131072",
                        "--global-batch-size", "8", "--software", "megatron-2021", "--json")
     assert code == 0 and json.loads(out)["parallel"]["cp"] == 1
+
+
+def test_preset_profile_file_carries_its_software(capsys, tmp_path):
+    """A preset profile written for an engine (plan profile --preset --software) makes plans for that
+    engine when read back with --profile: its costs, its limits (Megatron-LM of 2021: no ZeRO) and the
+    name in the plan JSON."""
+    import json
+
+    path = tmp_path / "megatron.json"
+    assert main(["profile", "gpt3-175b", "--cluster", "8x8xa100-80gb", "--preset", "--software", "megatron-2021",
+                 "-o", str(path), "--quiet"]) == 0
+    code, out, err = run(capsys, "gpt3-175b", "--cluster", "8x8xa100-80gb", "--global-batch-size", "64",
+                         "--profile", str(path), "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["search"]["software"] == "megatron-2021" and "--software" not in err
+    assert all(p["parallel"]["zero"] == 0 and p["parallel"]["schedule"] in ("1f1b", "interleaved-1f1b")
+               for p in [plan] + plan["alternatives"])
