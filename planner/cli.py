@@ -155,7 +155,8 @@ def run_main(argv: Sequence[str]) -> int:
 
         profile = load_profile(args.profile, model=model)
     # the engine: --software, else the one a preset profile file was made for, else the executor
-    software = args.software or getattr(getattr(profile, "roofline", None), "software", None) or "meshplan"
+    file_software = getattr(getattr(profile, "roofline", None), "software", None)
+    software = args.software or file_software or "meshplan"
     constraints = Constraints(
         global_batch_size=args.global_batch_size or max(8, 2 * cluster.world_size), seq_len=args.seq_len,
         micro_batch_size=args.micro_batch_size, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp,
@@ -188,7 +189,7 @@ def run_main(argv: Sequence[str]) -> int:
         note = preset_note(profile, cluster, args.model, args.cluster, constraints.dtype, args.seq_len)
         if note:
             print(note, file=sys.stderr, flush=True)
-    if args.software not in (None, "meshplan", getattr(getattr(profile, "roofline", None), "software", None)) \
+    if args.software not in (None, "meshplan", file_software) \
             and (args.profile or getattr(profile, "roofline", None) is None):
         what = (f"{args.profile} as it is" if args.profile else "CPU presets" if profile.source == "preset"
                 else "a measured profile, which times the software that ran")
