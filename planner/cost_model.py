@@ -451,9 +451,9 @@ def step_transients(model: ModelSpec, cand: Candidate, s: int, dtype: str,
     accumulating = cand.m > 1
     act, emb, opt = [0.0] * pp, [0.0] * pp, [0.0] * pp
     logits = cand.b * (s // cand.cp) * vocab_shard(model, tp) * 4.0  # a CP rank's logits: its s/cp tokens
-    if fused_loss:
-        logits *= DTYPE_BYTES[dtype] / 4.0
-        act[rank[-1]] += logits + (table * grad if accumulating or tied_one else 0.0)
+    if fused_loss:  # its backward writes only the logits' gradient, in the compute dtype
+        grad_logits = logits * DTYPE_BYTES[dtype] / 4.0
+        act[rank[-1]] += grad_logits + (table * grad if accumulating or tied_one else 0.0)
     else:
         act[rank[-1]] += max(2.0 * logits, logits + (table * grad if accumulating or tied_one else 0.0))
     emb[rank[0]] += table * grad * (3 if tied_one else 1 if accumulating else 0)

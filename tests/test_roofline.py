@@ -234,6 +234,9 @@ def test_bad_gemm_and_gradient_fields_are_one_line_errors():
     with pytest.raises(InputError, match=r"^r\.grad_bytes: expected"):
         Roofline.from_dict({**data, "grad_bytes": 0}, "r")
     assert Roofline.from_dict({**data, "grad_bytes": 2}, "r").grad_bytes == 2
+    for key, bad in (("selective", "layer"), ("loss", "fp16"), ("fsdp_copies", "yes")):
+        with pytest.raises(InputError, match=rf"^r\.{key}: expected"):
+            Roofline.from_dict({**data, key: bad}, "r")
 
 
 def test_flash_attention_1_rates_for_software_that_ran_it():
