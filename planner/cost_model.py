@@ -429,17 +429,17 @@ class Workspace:
     per_layer: list[float]
 
 
-def fused_loss(profile) -> bool:
-    """A preset whose software runs a fused cross-entropy (profiler/roofline.LOSS)."""
+def loss_grad_16bit(profile) -> bool:
+    """A preset whose loss backward allocates only the logits' 16-bit gradient (profiler/roofline.LOSS): a
+    fused cross-entropy, or Megatron-LM's, which computes it in place in its kept fp32 softmax."""
     r = getattr(profile, "roofline", None)
-    return r is not None and r.loss == "fused"
+    return r is not None and r.loss in ("fused", "megatron")
 
 
 def step_transients(model: ModelSpec, cand: Candidate, s: int, dtype: str,
-                    rank: list[int], fused_loss: bool = False) -> Workspace:
-    """The Workspace of `cand` with stage k on pipeline rank rank[k] (executor/train.py's step); with a
-    fused cross-entropy (`fused_loss`, profiler/roofline.LOSS) the loss backward allocates only the logits'
-    16-bit gradient."""
+                    rank: list[int], loss_grad_16bit: bool = False) -> Workspace:
+    """The Workspace of `cand` with stage k on pipeline rank rank[k] (executor/train.py's step); with
+    `loss_grad_16bit` the loss backward allocates only the logits' 16-bit gradient."""
     tp, pp, S = cand.tp, cand.pp, cand.num_stages
     dp = cand.dp * cand.cp  # FSDP shards over dp x cp
     shards = dp if cand.zero >= 1 and dp > 1 else 1  # AdamW steps FSDP's shards
@@ -451,7 +451,7 @@ def step_transients(model: ModelSpec, cand: Candidate, s: int, dtype: str,
     accumulating = cand.m > 1
     act, emb, opt = [0.0] * pp, [0.0] * pp, [0.0] * pp
     logits = cand.b * (s // cand.cp) * vocab_shard(model, tp) * 4.0  # a CP rank's logits: its s/cp tokens
-    if fused_loss:  # its backward writes only the logits' gradient, in the compute dtype
+    if loss_grad_16bit:  # its backward writes only the logits' gradient, in the compute dtype
         grad_logits = logits * DTYPE_BYTES[dtype] / 4.0
         act[rank[-1]] += grad_logits + (table * grad if accumulating or tied_one else 0.0)
     else:
@@ -945,8 +945,9 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
         inflight=inflight, fixed=fixed, mem_limit=mem_limit, weight=cand.m + bubble, bubble=bubble, m=cand.m,
         unhidden=unhidden_share(profile, dp, zero, len(kinds), S), recompute=recompute, cuts=cuts,
         boundary_relief=[r for _, r, _ in splits], hop_wait=[w for _, _, w in splits],
-        ws=add_ep_buffers(add_cp_buffers(step_transients(model, cand, seq_len, dtype, rank, fused_loss(profile)), model,
-                                         cand, seq_len, dtype), model, cand, seq_len, dtype, imbalance),
+        ws=add_ep_buffers(add_cp_buffers(step_transients(model, cand, seq_len, dtype, rank,
+                                                         loss_grad_16bit(profile)),
+                                         model, cand, seq_len, dtype), model, cand, seq_len, dtype, imbalance),
         grads_idle=grads_idle(state_bytes, moments), later=later_moments(state_bytes, moments),
         emb_inflight=[emb_in_flight(cand.schedule, pp, v, cand.m, r) for r in range(pp)],
         step_sync=step_sync_time(profile, dp * tp * pp, links), overlap_tax=overlap_tax(profile),

@@ -40,11 +40,28 @@ GRAD_REDUCE = ("reduce_scatter", "all_reduce")
 # wv, wo, w1, w3, w2) and reruns everything else; "every-second-block" is its layer policy with
 # selective_ac_option '2', full recompute of every second block.
 SELECTIVE = ("attention", "every-second-mm", "every-second-block")
-# The loss: "fp32", the executor's (the logits upcast, an fp32 log-softmax kept for backward); "fused", a fused
-# cross-entropy kernel (flash-attn's losses/cross_entropy.py, llm-foundry's default loss_fn
-# 'fused_crossentropy'): it keeps the 16-bit logits and an fp32 log-sum-exp per token, reads the logits once
-# forward and once backward, and writes their 16-bit gradient.
-LOSS = ("fp32", "fused")
+# The loss, by the HBM passes its kernels make over the logits (bytes per logit, B = 2: the 16-bit logits):
+# - "fp32", eager PyTorch as the executor and torchtitan run it, F.cross_entropy(logits.float()): the cast
+#   (read B, write 4) and log_softmax (read 4, write 4, kept for backward); backward: nll_loss's zero-filled
+#   gradient (write 4), log_softmax's backward (read 4 + 4, write 4), the cast back (read 4, write B).
+# - "megatron", Megatron-LM's unfused vocab-parallel cross-entropy (logits.float(), then megatron/core/
+#   tensor_parallel/cross_entropy.py; the same in Megatron-LM 2021-22 and Megatron-DeepSpeed's mpu, and
+#   Megatron-Core's default, cross_entropy_loss_fusion off): the cast, a max (read 4), the max subtracted
+#   (read 4, write 4), exp in place (read 4, write 4), a sum (read 4), the division in place (read 4,
+#   write 4, kept as the softmax); backward: one in-place multiply (read 4, write 4), the cast back.
+# - "fused", a fused cross-entropy kernel (flash-attn's losses/cross_entropy.py, llm-foundry's default
+#   loss_fn 'fused_crossentropy'): it keeps the 16-bit logits and an fp32 log-sum-exp per token, reads the
+#   logits once forward and once backward, and writes their 16-bit gradient.
+LOSS = ("fp32", "fused", "megatron")
+
+
+def loss_bytes(loss: str, B: int) -> tuple[float, float]:
+    """(forward, backward) bytes the loss moves over HBM per logit (LOSS)."""
+    if loss == "fused":
+        return B, 2 * B
+    if loss == "megatron":
+        return B + 4 + 4 + 8 + 8 + 4 + 8, 8 + 4 + B
+    return B + 4 + 8, 4 + 12 + 4 + B
 TILE_M, TILE_N = 256, 128  # cuBLAS's most efficient tile (Matrix Multiplication Background guide §2.3)
 
 
@@ -236,10 +253,8 @@ class Roofline:
             a, g = self.gemm_fwd_bwd(T, V, h)
             g += self.accumulate(V * h)
             norm = self.bytes_time(T * 2 * h * B / (tp if sp else 1))
-            if self.loss == "fused":  # read the logits; backward: read them, write their gradient
-                return a + norm + self.bytes_time(T * V * B), g + 2 * norm + self.bytes_time(T * V * 2 * B)
-            loss = self.bytes_time(T * V * (B + 4 + 4))  # logits in, fp32 log-softmax out, read for the loss
-            return a + norm + loss, g + 2 * norm + self.bytes_time(T * V * (4 + B))
+            fwd, bwd = loss_bytes(self.loss, B)
+            return a + norm + self.bytes_time(T * V * fwd), g + 2 * norm + self.bytes_time(T * V * bwd)
         if kind == "embedding":
             gather = self.bytes_time(T * (2 * h * B + 8))
             return gather, 2 * gather + self.accumulate(vocab_shard(spec, tp) * h)

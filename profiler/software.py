@@ -29,6 +29,10 @@ or papers, not fitted values:
   write 4 = 18 bytes.
 - selective recompute: Megatron's attention core (Korthikanti et al. 2022 §4.2.2); torchtitan's per-op
   policy reruns every second matmul of a block (roofline.SELECTIVE).
+- the loss (roofline.LOSS): Megatron-LM, its Megatron-Core and Megatron-DeepSpeed upcast the logits and run
+  their vocab-parallel cross-entropy in fp32, pass by pass (megatron/core/tensor_parallel/cross_entropy.py;
+  Megatron-Core's fused one is opt-in, --cross-entropy-loss-fusion); torchtitan and the executor run
+  F.cross_entropy on the upcast logits.
 - the data-parallel engine's copies (fsdp_copies): FSDP2 (torchtitan, the executor) copies parameters out
   of its all-gather buffer and gradients into its reduce buffer; Megatron-LM's DDP and distributed
   optimizer reduce and gather in the parameters' and gradients' own contiguous buffers; DeepSpeed's are
@@ -39,7 +43,8 @@ from __future__ import annotations
 
 from meshplan.planner.errors import InputError
 
-_MEGATRON_2022 = dict(attention="unfused", activations="sharded", grad_overlap=False, fsdp_copies=False)
+_MEGATRON_2022 = dict(attention="unfused", activations="sharded", grad_overlap=False, fsdp_copies=False,
+                      loss="megatron")
 
 SOFTWARE: dict[str, dict] = {
     # meshplan's executor (executor/): the preset model's defaults
@@ -47,7 +52,7 @@ SOFTWARE: dict[str, dict] = {
     # torchtitan: the executor's stack (FSDP2, DTensor TP, flash SDPA); its selective AC is the per-op policy
     "torchtitan": dict(selective="every-second-mm"),
     # Megatron-Core (2023-): fused attention, shards kept, reduction overlapped, accumulation fused
-    "megatron": dict(activations="sharded", fsdp_copies=False),
+    "megatron": dict(activations="sharded", fsdp_copies=False, loss="megatron"),
     # Megatron-LM as Korthikanti et al. 2022 ran it: unfused attention, reduction after the backward
     "megatron-2022": _MEGATRON_2022,
     # Megatron-LM as Narayanan et al. SC'21 ran it: no sequence parallelism, an accumulation pass of its own

@@ -365,9 +365,11 @@ def test_named_software_settings():
 
 def test_fused_cross_entropy_loss():
     """A fused cross-entropy (flash-attn's, llm-foundry's default loss) reads the bf16 logits once forward
-    and once backward, writing their bf16 gradient: T·V·2 and T·V·4 bytes against the fp32 loss's
-    T·V·(2 + 4 + 4) and T·V·(4 + 2). It keeps the logits and a 4-byte log-sum-exp per token instead of the
-    fp32 log-softmax, and its backward allocates only the bf16 gradient of the logits."""
+    and once backward, writing their bf16 gradient: T·V·2 and T·V·4 bytes against eager PyTorch's
+    F.cross_entropy(logits.float()): the cast (2 + 4) and log_softmax (4 + 4) forward, nll_loss's zeroed
+    gradient (4), log_softmax's backward (4 + 4 + 4) and the cast back (4 + 2) backward. It keeps the logits
+    and a 4-byte log-sum-exp per token instead of the fp32 log-softmax, and its backward allocates only the
+    bf16 gradient of the logits."""
     from dataclasses import replace
 
     from meshplan.planner.cost_model import Candidate, step_transients
@@ -376,8 +378,8 @@ def test_fused_cross_entropy_loss():
     T, V, h = b * s, spec.vocab_size, spec.hidden_size
     fused = replace(A100, loss="fused")
     f32, f16 = A100.layer(spec, "head", b, s, 1), fused.layer(spec, "head", b, s, 1)
-    assert f32[0] - f16[0] == pytest.approx(A100.bytes_time(T * V * 10) - A100.bytes_time(T * V * 2))
-    assert f32[1] - f16[1] == pytest.approx(A100.bytes_time(T * V * 6) - A100.bytes_time(T * V * 4))
+    assert f32[0] - f16[0] == pytest.approx(A100.bytes_time(T * V * 14) - A100.bytes_time(T * V * 2))
+    assert f32[1] - f16[1] == pytest.approx(A100.bytes_time(T * V * 22) - A100.bytes_time(T * V * 4))
     kept = layer_activation_bytes(spec, "head", b, s, 1, "bf16", fused_loss=True)
     assert kept - layer_activation_bytes(spec, "head", b, s, 1, "bf16") == pytest.approx(T * (V * 2 + 4 - 4 * V))
     cand = Candidate(dp=1, tp=1, pp=1, v=1, schedule="1f1b", b=b, m=1, zero=0, recompute="none")
@@ -387,3 +389,28 @@ def test_fused_cross_entropy_loss():
     assert spec.tied_embeddings
     assert plain.act[0] == pytest.approx(max(2 * T * V * 4, T * V * 4 + V * h * 4))
     assert fast.act[0] == pytest.approx(T * V * 2 + V * h * 4)
+
+
+def test_megatron_cross_entropy_loss():
+    """Megatron-LM's vocab-parallel cross-entropy (megatron/core/tensor_parallel/cross_entropy.py on
+    logits.float()), pass by pass over the rank's V/t logits: the cast (2 + 4), max (4), subtract (4 + 4),
+    exp (4 + 4), sum (4), divide (4 + 4) = 38 bytes forward; an in-place multiply (4 + 4) and the cast back
+    (4 + 2) = 14 backward. It keeps the fp32 softmax (as the eager loss keeps its log-softmax) and its
+    backward allocates only the 16-bit gradient; named software Megatron-LM runs it."""
+    from dataclasses import replace
+
+    from meshplan.planner.cost_model import loss_grad_16bit
+    from meshplan.planner.model_spec import vocab_shard
+    from meshplan.profiler.software import software_settings
+
+    spec, b, s, tp = builtin_model("gpt2"), 4, 1024, 2
+    T, V = b * s, vocab_shard(builtin_model("gpt2"), tp)
+    mega = replace(A100, loss="megatron")
+    f32, mg = A100.layer(spec, "head", b, s, tp), mega.layer(spec, "head", b, s, tp)
+    assert mg[0] - f32[0] == pytest.approx(A100.bytes_time(T * V * 38) - A100.bytes_time(T * V * 14))
+    assert mg[1] - f32[1] == pytest.approx(A100.bytes_time(T * V * 14) - A100.bytes_time(T * V * 22))
+    cluster = parse_cluster("8xa100-80gb")
+    for name in ("megatron", "megatron-2022", "megatron-2021", "megatron-deepspeed-2022"):
+        profile = preset_profile(spec, cluster, "bf16", **software_settings(name, "bf16"))
+        assert profile.roofline.loss == "megatron" and loss_grad_16bit(profile)
+    assert not loss_grad_16bit(preset_profile(spec, cluster, "bf16", **software_settings("torchtitan", "bf16")))
