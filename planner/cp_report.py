@@ -3,6 +3,8 @@ exposed CP communication, which engines run the mode, and why the search chose t
 
 from __future__ import annotations
 
+import math
+
 from meshplan.planner.export_cp import engines_line
 from meshplan.planner.plan import ParallelConfig, Plan
 from meshplan.planner.report import human_bytes
@@ -50,23 +52,32 @@ def cp_lines(plan: Plan) -> list[str]:
 
 
 def cp_choice_notes(search, plan: Plan) -> list[str]:
-    """Why this CP degree: per CP degree the search enumerated, its candidates and the least iteration time
-    any of them can reach (a lower bound, from `Search.bounds`) among those whose memory bound fits.
-    Empty when only one degree was enumerated."""
+    """Why this CP degree: per CP degree the search enumerated, the best time it solved for it, else what
+    its candidates can reach: no better than the chosen plan (the search left them because their lower
+    bounds could not enter the ranking), or nothing fits. Empty when only one degree was enumerated."""
     per: dict[int, list] = {}
     for bound, memory, cand in search.bounds_seen:
         per.setdefault(cand.cp, []).append((bound, memory, search.limit(cand)))
     if len(per) <= 1:
         return []
-    chosen = plan.parallel.cp
+    best: dict[int, float] = {}
+    for cand, seconds in search.ranked_times.items():
+        best[cand.cp] = min(best.get(cand.cp, math.inf), seconds)
+    unsolvable = {cand for flag, _, cand in search.memory_pruned if flag is not None}  # no partition fits
+    chosen, chosen_s = plan.parallel.cp, plan.predicted.iteration_time_s
     parts = []
     for cp in sorted(per):
         rows = per[cp]
         fits = [b for b, m, limit in rows if m <= limit * (1 + 1e-9)]
+        left = [c for _, _, c in search.bounds_seen if c.cp == cp and c not in unsolvable]
         if cp == chosen:
-            parts.append(f"cp={cp}: chosen, {_secs(plan.predicted.iteration_time_s)}")
+            parts.append(f"cp={cp}: chosen, {_secs(chosen_s)}")
+        elif cp in best:
+            parts.append(f"cp={cp}: best {_secs(best[cp])}")
+        elif fits and left:
+            parts.append(f"cp={cp}: >= {_secs(max(min(fits), chosen_s))}")
         elif fits:
-            parts.append(f"cp={cp}: >= {_secs(min(fits))}")
+            parts.append(f"cp={cp}: none fits (no stage partition within memory)")
         else:
             _, need, usable = min(rows, key=lambda row: row[1] - row[2])
             parts.append(f"cp={cp}: none fits (least {human_bytes(need)} > {human_bytes(usable)} usable)")

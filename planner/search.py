@@ -243,6 +243,7 @@ class Search:
         self.memory_pruned: list[tuple[float | None, int, Candidate]] = []
         # (reported-time lower bound, memory lower bound, candidate) of everything considered, for `--pareto`.
         self.bounds_seen: list[tuple[float, float, Candidate]] = []
+        self.ranked_times: dict[Candidate, float] = {}  # solved candidates' reported (simulated) times
         self.quick = _Quick(model)
         self.rate = relative_rate(profile)  # None unless CPU ranks outnumbered the cores when profiled
 
@@ -487,6 +488,8 @@ class Search:
             self.feasible += 1
             scored, ranked = self.score(cand, problem, solution, index, board.kth)
             board.add(_key(_parallel(self, scored), cand.order), scored, ranked)
+            if ranked:
+                self.ranked_times[cand] = scored.time
         if progress is not None:
             progress(len(queue), len(queue))
         return board.results()

@@ -194,3 +194,17 @@ def test_cp_pins_validated():
     with pytest.raises(InputError, match="scatters heads"):
         Constraints(global_batch_size=8, seq_len=8192, cp=2, tp=8, cp_mode="all-to-all").validate(
             LLAMA, parse_cluster("2x8xh100-80gb"))
+
+
+def test_cp_notes_never_show_a_degree_faster_than_the_choice():
+    """Each other CP degree is reported by the best time solved for it, or by what its candidates can reach,
+    which is never below the chosen plan (a lower bound under it would read as a better degree missed)."""
+    import re
+
+    plan = find_plan(LLAMA, parse_cluster("8xh100-80gb"), Constraints(global_batch_size=16, seq_len=8192))
+    note = plan.cp_notes[0]
+    chosen = plan.predicted.iteration_time_s
+    shown = re.findall(r"cp=(\d+): (?:best|>=) ([\d.]+) (ms|s)", note)
+    assert shown and f"cp={plan.parallel.cp}: chosen" in note
+    for _, value, unit in shown:
+        assert float(value) * (1e-3 if unit == "ms" else 1.0) >= chosen * 0.995  # printed to 3 digits
