@@ -89,6 +89,16 @@ def _cfg_int(cfg: dict, path: str, *keys: str, default: Any = None) -> int:
     return default
 
 
+def hf_model_name(path: str) -> str:
+    """A Hugging Face snapshot keeps config.json in a folder named after the model; any other file name is
+    the model's own (mixtral-8x7b.json)."""
+    path = os.path.abspath(path)
+    base, stem = os.path.basename(path), os.path.splitext(os.path.basename(path))[0]
+    if base == "config.json":
+        return os.path.basename(os.path.dirname(path)) or "hf-model"
+    return stem or "hf-model"
+
+
 def from_hf_config(path: str) -> ModelSpec:
     """Read a Hugging Face config.json (gpt2, llama, mistral, qwen2; MoE: mixtral, qwen2_moe, qwen3_moe) as
     plain JSON: no download."""
@@ -96,7 +106,7 @@ def from_hf_config(path: str) -> ModelSpec:
     if not isinstance(cfg, dict):
         raise InputError(f"{path}: expected a JSON object")
     model_type = cfg.get("model_type")
-    name = os.path.basename(os.path.dirname(os.path.abspath(path))) or "hf-model"
+    name = hf_model_name(path)
     if model_type == "gpt2":
         h = _cfg_int(cfg, path, "n_embd")
         return ModelSpec(

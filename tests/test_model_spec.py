@@ -146,3 +146,13 @@ def test_model_json_rejects_bad_field():
     data["num_parameters"] += 1
     with pytest.raises(InputError, match=r"model\.num_parameters"):
         ModelSpec.from_dict(data)
+
+
+def test_hf_config_name(tmp_path):
+    """config.json is named after its folder (a Hugging Face snapshot); any other file after itself."""
+    cfg = json.dumps(HF_CONFIGS["mistral"][0])
+    (tmp_path / "Mistral-7B").mkdir()
+    (tmp_path / "Mistral-7B" / "config.json").write_text(cfg)
+    (tmp_path / "mistral-7b.json").write_text(cfg)
+    assert from_hf_config(str(tmp_path / "Mistral-7B" / "config.json")).name == "Mistral-7B"
+    assert from_hf_config(str(tmp_path / "mistral-7b.json")).name == "mistral-7b"
