@@ -147,9 +147,12 @@ def constraints_of(row: dict, pinned: bool) -> Constraints:
     lay, m = row["layout"], row["model"]
     c = Constraints(global_batch_size=lay["global_batch_size"], seq_len=m["seq_len"], top_k=1,
                     dtype="fp16" if lay.get("dtype") == "fp16" else "bf16")
-    if not pinned:  # the free choice keeps to what the row's software runs
-        engine = ENGINE.get(row["source_key"]) or SOFTWARE.get(row["source_key"])
-        return replace(c, **engine_limits(engine)) if isinstance(engine, str) else c
+    # the free choice, and what a pinned row does not publish (schedule, ZeRO, recompute), keep to what the
+    # row's software runs
+    engine = ENGINE.get(row["source_key"]) or SOFTWARE.get(row["source_key"])
+    c = replace(c, **engine_limits(engine)) if isinstance(engine, str) else c
+    if not pinned:
+        return c
     v = lay.get("virtual_stages") or 1
     schedule = "interleaved-1f1b" if v > 1 else ("1f1b" if lay["pp"] > 1 else None)
     if lay.get("virtual_stages") is None:  # not published: the planner picks the schedule
