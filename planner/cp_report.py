@@ -52,11 +52,13 @@ def cp_lines(plan: Plan) -> list[str]:
 
 
 def cp_choice_notes(search, plan: Plan) -> list[str]:
-    """Why this CP degree: per CP degree the search enumerated, the best time it solved for it, else what
-    its candidates can reach: no better than the chosen plan (the search left them because their lower
-    bounds could not enter the ranking), or nothing fits. Empty when only one degree was enumerated."""
+    """Why this CP degree: per CP degree the search enumerated, the best time it solved for it, else the least
+    lower bound of its candidates (the sharper one where the search computed it), never below the chosen
+    plan: the search left them because their bounds could not enter the ranking. Or that nothing fits.
+    Empty when only one degree was enumerated."""
     per: dict[int, list] = {}
     for bound, memory, cand in search.bounds_seen:
+        bound = max(bound, search.refined_bounds.get(cand, bound))
         per.setdefault(cand.cp, []).append((bound, memory, search.limit(cand)))
     if len(per) <= 1:
         return []

@@ -244,6 +244,7 @@ class Search:
         # (reported-time lower bound, memory lower bound, candidate) of everything considered, for `--pareto`.
         self.bounds_seen: list[tuple[float, float, Candidate]] = []
         self.ranked_times: dict[Candidate, float] = {}  # solved candidates' reported (simulated) times
+        self.refined_bounds: dict[Candidate, float] = {}  # the sharper bounds the search computed
         self.quick = _Quick(model)
         self.rate = relative_rate(profile)  # None unless CPU ranks outnumbered the cores when profiled
 
@@ -477,6 +478,7 @@ class Search:
                     progress(done, len(queue))
                 done += 1
                 sharper = self.refined_bound(cand)
+                self.refined_bounds[cand] = sharper
                 if sharper > bound:
                     heapq.heappush(heap, (sharper, index, True, cand))
                     continue
