@@ -42,7 +42,8 @@ DEFAULT_SOURCES = ("megatron_sc21", "korthikanti_2022", "llama3_herd_2024", "blo
 #   Megatron-DeepSpeed with the BF16_Optimizer; Megatron-Core's 2024 table is Megatron-Core.
 # - MT-NLG ran Megatron-DeepSpeed on DeepSpeed's pipeline engine before the BF16_Optimizer: autograd adds each
 #   micro-batch into the 16-bit .grad (6 bytes), gradients reduced after the last micro-batch; Megatron's
-#   fp32 vocab-parallel cross-entropy (profiler/roofline.LOSS).
+#   fp32 vocab-parallel cross-entropy (profiler/roofline.LOSS); the engine's blocking, whole-tensor
+#   pipeline transfers (profiler/roofline.P2P).
 # - Llama 3 (2024) ran flash attention and kept sequence-parallel activations as shards: it trained this
 #   layout at 8K without activation checkpointing (§3.3.2), which needs them; fp32 gradients (§3.3.4).
 # - llm-foundry MPT under FSDP1: FlashAttention-1 (scripts/train/benchmarking at b2a43a147: sweep.sh passes
@@ -59,7 +60,7 @@ SOFTWARE: dict[str, str | dict] = {
     "korthikanti_2022": "megatron-2022",
     "bloom_bigscience": "megatron-deepspeed-2022",
     "mt_nlg_2022": dict(attention="unfused", activations="sharded", grad_overlap=False, grad_accum_bytes=6,
-                        loss="megatron", **_NO_COPIES),
+                        loss="megatron", p2p="blocking", **_NO_COPIES),
     "llama3_herd_2024": dict(attention="flash", activations="sharded", **_NO_COPIES),
     "megatron_readme_h100_2024": "megatron",
     "llm_foundry_mpt": dict(attention="flash1", loss="fused", **_NO_COPIES),

@@ -103,9 +103,13 @@ def pp_comm_time(profile, b: int, s: int, h: int, tp: int, dtype: str, sequence_
                  link_class: str) -> float:
     """One boundary per micro-batch: a stage sends its output forward and its input gradient backward,
     b·s·h values each (÷tp when sequence-parallel activations stay sharded), Narayanan et al. SC'21 §3.2.
-    Returned per side of a boundary: each stage pays it once per neighbour."""
-    nbytes = b * s * h * DTYPE_BYTES[dtype] / (tp if sequence_parallel else 1)
-    return profile.collective_time("send_recv", nbytes, 2, link_class) * profile.correction("pp_comm")
+    Returned per side of a boundary: each stage pays it once per neighbour; with a blocking pipeline engine
+    (profiler/roofline.P2P) both transfers, whole."""
+    r = getattr(profile, "roofline", None)
+    blocking = r is not None and r.p2p == "blocking"
+    nbytes = b * s * h * DTYPE_BYTES[dtype] / (tp if sequence_parallel and not blocking else 1)
+    one = profile.collective_time("send_recv", nbytes, 2, link_class) * profile.correction("pp_comm")
+    return 2 * one if blocking else one
 
 
 def pipeline_stage_time(profile, hop: float, crossings: int, schedule: str, unfused: float = 0.0,

@@ -53,6 +53,14 @@ SELECTIVE = ("attention", "every-second-mm", "every-second-block")
 #   loss_fn 'fused_crossentropy'): it keeps the 16-bit logits and an fp32 log-sum-exp per token, reads the
 #   logits once forward and once backward, and writes their 16-bit gradient.
 LOSS = ("fp32", "fused", "megatron")
+# The pipeline engine's point-to-point transfers. "overlapped": a stage pays one transfer per neighbour and
+# micro-batch, of b·s·h/t values with tensor parallelism (torch.distributed.pipelining's asynchronous P2P;
+# Megatron-LM's send-and-receive pairs with its scatter-gather of the stage output, Narayanan et al. SC'21
+# §4.1). "blocking": DeepSpeed's pipeline engine (deepspeed/runtime/pipe/engine.py _exec_send_activations /
+# _exec_send_grads, p2p.py send and recv: "Doesnt support async_op true") sends each stage output and
+# input gradient whole from every tensor-parallel rank, in separate blocking calls: the stage waits out
+# both transfers with each neighbour, b·s·h values each.
+P2P = ("overlapped", "blocking")
 
 
 def loss_bytes(loss: str, B: int) -> tuple[float, float]:
@@ -115,6 +123,7 @@ class Roofline:
     # distributed optimizer), or whose copies are not modelled.
     fsdp_copies: bool = True
     loss: str = "fp32"  # LOSS
+    p2p: str = "overlapped"  # P2P
     software: str = "meshplan"  # the name these settings were made from (profiler/software.py), for reports
 
     def to_dict(self) -> dict:
@@ -142,7 +151,7 @@ class Roofline:
                    f.float("grad_accum_bytes", min=0.0, default=0.0),
                    f.str("selective", choices=SELECTIVE, default="attention"),
                    f.bool("fsdp_copies", default=True), f.str("loss", choices=LOSS, default="fp32"),
-                   f.str("software", default="meshplan"))
+                   f.str("p2p", choices=P2P, default="overlapped"), f.str("software", default="meshplan"))
 
     # ---- primitives ----
 

@@ -33,6 +33,9 @@ or papers, not fitted values:
   their vocab-parallel cross-entropy in fp32, pass by pass (megatron/core/tensor_parallel/cross_entropy.py;
   Megatron-Core's fused one is opt-in, --cross-entropy-loss-fusion); torchtitan and the executor run
   F.cross_entropy on the upcast logits.
+- pipeline transfers (roofline.P2P): DeepSpeed's pipeline engine sends each stage output and input
+  gradient whole, in blocking calls (runtime/pipe/p2p.py); Megatron-LM pairs a send with a receive and
+  scatters the stage output over tensor parallelism (SC'21 §4.1), torch's pipelining sends asynchronously.
 - the data-parallel engine's copies (fsdp_copies): FSDP2 (torchtitan, the executor) copies parameters out
   of its all-gather buffer and gradients into its reduce buffer; Megatron-LM's DDP and distributed
   optimizer reduce and gather in the parameters' and gradients' own contiguous buffers; DeepSpeed's are
@@ -59,7 +62,7 @@ SOFTWARE: dict[str, dict] = {
     # (gradients: FP16 below)
     "megatron-2021": dict(_MEGATRON_2022, sequence_parallel=False, grad_accum_bytes=10),
     # Megatron-DeepSpeed on DeepSpeed's pipeline engine (BLOOM, MT-NLG; 2022): in bf16 its BF16_Optimizer
-    "megatron-deepspeed-2022": dict(_MEGATRON_2022, grad_reduce="all_reduce", grad_accum_bytes=18),
+    "megatron-deepspeed-2022": dict(_MEGATRON_2022, grad_reduce="all_reduce", grad_accum_bytes=18, p2p="blocking"),
 }
 # In fp16 these keep 16-bit gradients and add them up in 16 bits
 FP16 = {"megatron-2021": dict(grad_bytes=2, grad_accum_bytes=6),

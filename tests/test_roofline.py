@@ -414,3 +414,26 @@ def test_megatron_cross_entropy_loss():
         profile = preset_profile(spec, cluster, "bf16", **software_settings(name, "bf16"))
         assert profile.roofline.loss == "megatron" and loss_grad_16bit(profile)
     assert not loss_grad_16bit(preset_profile(spec, cluster, "bf16", **software_settings("torchtitan", "bf16")))
+
+
+def test_blocking_pipeline_transfers():
+    """DeepSpeed's pipeline engine (megatron-deepspeed-2022) sends each stage output and input gradient whole
+    from every tensor-parallel rank, in blocking calls: per neighbour and micro-batch a stage waits out both
+    transfers of b·s·h values; the default (torch's pipelining, Megatron-LM's scatter-gather) pays one of
+    b·s·h/t."""
+    from meshplan.planner.cost_model import pp_comm_time
+    from meshplan.profiler.software import software_settings
+
+    spec, cluster = builtin_model("gpt3-175b"), parse_cluster("4x8xa100-80gb")
+    b, s, h, tp = 1, 2048, builtin_model("gpt3-175b").hidden_size, 8
+    ds = preset_profile(spec, cluster, "bf16", **software_settings("megatron-deepspeed-2022", "bf16"))
+    ours = preset_profile(spec, cluster, "bf16")
+    assert ds.roofline.p2p == "blocking" and ours.roofline.p2p == "overlapped"
+    whole, shard = b * s * h * 2, b * s * h * 2 / tp
+    assert pp_comm_time(ds, b, s, h, tp, "bf16", True, "inter_node") == pytest.approx(
+        2 * ds.collective_time("send_recv", whole, 2, "inter_node"))
+    assert pp_comm_time(ours, b, s, h, tp, "bf16", True, "inter_node") == pytest.approx(
+        ours.collective_time("send_recv", shard, 2, "inter_node"))
+    # over one HDR NIC per GPU (24 GB/s bus bandwidth, 4 us a step): 2 x (4 us + 100.7 MB / 24 GB/s)
+    assert pp_comm_time(ds, b, s, h, tp, "bf16", True, "inter_node") == pytest.approx(
+        2 * (4.0e-6 + whole / 24e9), rel=0.05)
