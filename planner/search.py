@@ -745,8 +745,15 @@ def infeasible_message(search: Search) -> str:
             hints.append(f"dropping {flag} {value}")
     if c.memory_margin > 0.01:
         hints.append(f"a smaller --memory-margin than {c.memory_margin}")
-    hints.append(f"more devices (model state alone is {human_bytes(state)} at {per_param:g} B/param: at least "
-                 f"{need_devices} devices of {human_bytes(dev.memory_bytes)} with ZeRO-3)")
+    if need_devices <= search.cluster.world_size:  # the state fits sharded: the activations do not
+        default = " (the default, the model's maximum)" if c.seq_len is None else ""
+        hints.insert(0, f"a shorter --seq-len than {search.seq}{default}")
+        hints.append(f"more devices (the model state, {human_bytes(state)}, fits on this cluster; the "
+                     f"activations of {search.seq}-token sequences do not: more devices split them with "
+                     "context parallelism)")
+    else:
+        hints.append(f"more devices (model state alone is {human_bytes(state)} at {per_param:g} B/param: at "
+                     f"least {need_devices} devices of {human_bytes(dev.memory_bytes)} with ZeRO-3)")
     tried = [name for name, pin in (("ZeRO level", c.zero), ("recompute mode", c.recompute),
                                     ("micro-batch size", c.micro_batch_size)) if pin is None]
     fit = "; to fit try " + ", ".join(hints) + (f" (every {', '.join(tried)} was tried)" if tried else "")

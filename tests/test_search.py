@@ -241,6 +241,16 @@ def test_cli_exit_3_message(capsys):
     assert "GiB" in err and "--zero 3" in err
 
 
+def test_exit_3_names_the_sequence_when_the_state_fits(capsys):
+    """llama3.2-1b's default sequence is its maximum, 131,072 tokens: its state fits one H200 but those
+    activations do not, so the message leads with --seq-len and says why more devices would help."""
+    code = main(["llama3.2-1b", "--cluster", "1xh200-141gb"])
+    err = capsys.readouterr().err
+    assert code == 3
+    assert "try a shorter --seq-len than 131072 (the default, the model's maximum)" in err
+    assert "context parallelism" in err and "at least 1 devices" not in err
+
+
 def test_cli_json_plan_validates(capsys):
     code = main(["llama3-8b", "--cluster", "8xa100-80gb", "--json"])
     out = capsys.readouterr().out
