@@ -224,19 +224,26 @@ class _EPMixin:
             bytes_dp = sum(state_bytes_per_param(self.dtype, zero, dp, sync.full_grads, g))
             bytes_edp = sum(state_bytes_per_param(self.dtype, zero, edp, sync.full_grads, g))
             in_situ = dp > 1 and self.profile.wrapper(zero) is not None
+            by_params: dict[float, tuple[float, float, float, float | None]] = {}  # sparse blocks repeat
             for i, layer in enumerate(model.layers):
                 if layer.kind != "block" or not is_sparse_block(model, int(layer.name.split(".")[-1])):
                     continue
-                rest = (layer.params - experts) / tp
-                out[0][i] = rest * bytes_dp + ex * bytes_edp
-                out[1][i] = optimizer_time(self.profile, rest, dp, zero, tp) + \
-                    optimizer_time(self.profile, ex, edp, zero, tp) + \
-                    engine_copy_time(self.profile, rest, self.dtype, dp, zero, sync) + \
-                    engine_copy_time(self.profile, ex, self.dtype, edp, zero, sync)
-                out[2][i] = dp_sync_time(self.profile, rest, self.dtype, dp, zero, link, sync.reductions) + \
-                    dp_sync_time(self.profile, ex, self.dtype, edp, zero, link, sync.reductions)
-                out[3][i] = sharded_dp_time(self.profile, rest, self.dtype, dp, zero, link) + \
-                    sharded_dp_time(self.profile, ex, self.dtype, edp, zero, link) if not in_situ else out[3][i]
+                if layer.params not in by_params:
+                    rest = (layer.params - experts) / tp
+                    by_params[layer.params] = (
+                        rest * bytes_dp + ex * bytes_edp,
+                        optimizer_time(self.profile, rest, dp, zero, tp)
+                        + optimizer_time(self.profile, ex, edp, zero, tp)
+                        + engine_copy_time(self.profile, rest, self.dtype, dp, zero, sync)
+                        + engine_copy_time(self.profile, ex, self.dtype, edp, zero, sync),
+                        dp_sync_time(self.profile, rest, self.dtype, dp, zero, link, sync.reductions)
+                        + dp_sync_time(self.profile, ex, self.dtype, edp, zero, link, sync.reductions),
+                        None if in_situ else sharded_dp_time(self.profile, rest, self.dtype, dp, zero, link)
+                        + sharded_dp_time(self.profile, ex, self.dtype, edp, zero, link))
+                state, opt, sync_s, per_mb = by_params[layer.params]
+                out[0][i], out[1][i], out[2][i] = state, opt, sync_s
+                if per_mb is not None:
+                    out[3][i] = per_mb
             return out
         return self._get(("ep layer", tp, dp, zero, link, sync), make)
 
