@@ -59,7 +59,7 @@ def cp_choice_notes(search, plan: Plan) -> list[str]:
     per: dict[int, list] = {}
     for bound, memory, cand in search.bounds_seen:
         bound = max(bound, search.refined_bounds.get(cand, bound))
-        per.setdefault(cand.cp, []).append((bound, memory, search.limit(cand)))
+        per.setdefault(cand.cp, []).append((bound, memory, search.limit(cand), cand))
     if len(per) <= 1:
         return []
     best: dict[int, float] = {}
@@ -70,17 +70,17 @@ def cp_choice_notes(search, plan: Plan) -> list[str]:
     parts = []
     for cp in sorted(per):
         rows = per[cp]
-        fits = [b for b, m, limit in rows if m <= limit * (1 + 1e-9)]
-        left = [c for _, _, c in search.bounds_seen if c.cp == cp and c not in unsolvable]
+        fits = [(b, c) for b, m, limit, c in rows if m <= limit * (1 + 1e-9)]
+        left = [b for b, c in fits if c not in unsolvable]
         if cp == chosen:
             parts.append(f"cp={cp}: chosen, {_secs(chosen_s)}")
         elif cp in best:
             parts.append(f"cp={cp}: best {_secs(best[cp])}")
-        elif fits and left:
-            parts.append(f"cp={cp}: >= {_secs(max(min(fits), chosen_s))}")
+        elif left:
+            parts.append(f"cp={cp}: >= {_secs(max(min(left), chosen_s))}")
         elif fits:
             parts.append(f"cp={cp}: none fits (no stage partition within memory)")
         else:
-            _, need, usable = min(rows, key=lambda row: row[1] - row[2])
+            _, need, usable, _ = min(rows, key=lambda row: row[1] - row[2])
             parts.append(f"cp={cp}: none fits (least {human_bytes(need)} > {human_bytes(usable)} usable)")
     return ["context parallelism weighed (" + "; ".join(parts) + ")"]
