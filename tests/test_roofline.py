@@ -189,6 +189,8 @@ def test_roofline_round_trip_and_pace_bounds():
 
     rl = device_roofline(parse_cluster("16x8xh100-80gb"), "bf16")
     assert Roofline.from_dict(asdict(rl), "r") == rl
+    ds = device_roofline(parse_cluster("16x8xh100-80gb"), "bf16", loss="megatron", p2p="blocking")
+    assert Roofline.from_dict(asdict(ds), "r") == ds
     for bad in (0.0, 1.5):
         with pytest.raises(InputError, match=r"r\.pace: expected a number in \(0, 1\]"):
             Roofline.from_dict({**asdict(rl), "pace": bad}, "r")
@@ -234,7 +236,7 @@ def test_bad_gemm_and_gradient_fields_are_one_line_errors():
     with pytest.raises(InputError, match=r"^r\.grad_bytes: expected"):
         Roofline.from_dict({**data, "grad_bytes": 0}, "r")
     assert Roofline.from_dict({**data, "grad_bytes": 2}, "r").grad_bytes == 2
-    for key, bad in (("selective", "layer"), ("loss", "fp16"), ("fsdp_copies", "yes")):
+    for key, bad in (("selective", "layer"), ("loss", "fp16"), ("fsdp_copies", "yes"), ("p2p", "async")):
         with pytest.raises(InputError, match=rf"^r\.{key}: expected"):
             Roofline.from_dict({**data, key: bad}, "r")
 
