@@ -36,14 +36,13 @@ ROWS = Path(__file__).with_name("data") / "published_rows.json"
 # pages are left to --source.
 DEFAULT_SOURCES = ("megatron_sc21", "korthikanti_2022", "llama3_herd_2024", "bloom_bigscience", "mt_nlg_2022")
 # How each source's software ran (facts about the runs, not fitted values): a named software of
-# profiler/software.py (its docstring has the sources), or settings of its own.
+# profiler/software.py (its docstring has the sources), one with changes, or settings of its own.
 # - SC'21's artifact (examples/sc21/run_table_1.sh) runs Megatron-LM with DDP=local in fp16; Korthikanti et
 #   al. 2022 ran Megatron-LM with gradient accumulation fusion (83b1e42f30, 2022-02); BLOOM ran
 #   Megatron-DeepSpeed with the BF16_Optimizer; Megatron-Core's 2024 table is Megatron-Core.
-# - MT-NLG ran Megatron-DeepSpeed on DeepSpeed's pipeline engine before the BF16_Optimizer: autograd adds each
-#   micro-batch into the 16-bit .grad (6 bytes), gradients reduced after the last micro-batch; Megatron's
-#   fp32 vocab-parallel cross-entropy (profiler/roofline.LOSS); the engine's blocking, whole-tensor
-#   pipeline transfers (profiler/roofline.P2P).
+# - MT-NLG ran Megatron-DeepSpeed on DeepSpeed's pipeline engine (megatron-deepspeed-2022) before the
+#   BF16_Optimizer: autograd adds each micro-batch into the 16-bit .grad (6 bytes), and the gradients are
+#   reduce-scattered, not all-reduced whole.
 # - Llama 3 (2024) ran flash attention and kept sequence-parallel activations as shards: it trained this
 #   layout at 8K without activation checkpointing (§3.3.2), which needs them; fp32 gradients (§3.3.4).
 # - llm-foundry MPT under FSDP1: FlashAttention-1 (scripts/train/benchmarking at b2a43a147: sweep.sh passes
@@ -59,18 +58,14 @@ SOFTWARE: dict[str, str | dict] = {
     "megatron_sc21": "megatron-2021",
     "korthikanti_2022": "megatron-2022",
     "bloom_bigscience": "megatron-deepspeed-2022",
-    "mt_nlg_2022": dict(attention="unfused", activations="sharded", grad_overlap=False, grad_accum_bytes=6,
-                        loss="megatron", p2p="blocking", **_NO_COPIES),
+    "mt_nlg_2022": software_settings("megatron-deepspeed-2022") | dict(grad_reduce="reduce_scatter",
+                                                                       grad_accum_bytes=6),
     "llama3_herd_2024": dict(attention="flash", activations="sharded", **_NO_COPIES),
     "megatron_readme_h100_2024": "megatron",
     "llm_foundry_mpt": dict(attention="flash1", loss="fused", **_NO_COPIES),
     "torchtitan": "torchtitan",
 }
 
-
-# The engine whose schedules, ZeRO levels and CP modes a source's free choice keeps to, where its settings
-# are not a named software: MT-NLG ran DeepSpeed's pipeline engine (1F1B, ZeRO 0/1).
-ENGINE = {"mt_nlg_2022": "megatron-deepspeed-2022"}
 
 
 # Context parallelism as each source ran it: Llama 3 all-gathers K and V before attention ("our CP
@@ -150,8 +145,9 @@ def constraints_of(row: dict, pinned: bool) -> Constraints:
                     dtype="fp16" if lay.get("dtype") == "fp16" else "bf16")
     # the free choice, and what a pinned row does not publish (schedule, ZeRO, recompute), keep to what the
     # row's software runs
-    engine = ENGINE.get(row["source_key"]) or SOFTWARE.get(row["source_key"])
-    c = replace(c, **engine_limits(engine)) if isinstance(engine, str) else c
+    named = SOFTWARE.get(row["source_key"], {})
+    engine = named if isinstance(named, str) else named.get("software")  # settings made from a named one
+    c = replace(c, **engine_limits(engine)) if engine else c
     if not pinned:
         return c
     v = lay.get("virtual_stages") or 1
