@@ -260,11 +260,8 @@ class Search:
 
     def limit(self, cand: Candidate) -> float:
         """Bytes the allocator may use on a rank of this candidate: capacity less reserve and margin."""
-        key = ("limit", cand.tp, cand.pp, cand.dp, cand.cp, cand.ep)
-        if key not in self.terms.memo:
-            self.terms.memo[key] = usable_bytes(self.cluster.device.memory_bytes, self.c.memory_margin,
-                                                self.reserve(cand))
-        return self.terms.memo[key]
+        return self.terms._get(("limit", cand.tp, cand.pp, cand.dp, cand.cp, cand.ep), lambda: usable_bytes(
+            self.cluster.device.memory_bytes, self.c.memory_margin, self.reserve(cand)))
 
     def links(self, cand: Candidate) -> Links:
         return links_with_ep(self.placer, cand, self.placer.links(cand.pp, cand.dp, cand.tp, cand.order, cand.cp))
@@ -339,10 +336,9 @@ class Search:
             work += rec_time * math.ceil(least - 1e-9)
         bubble = bubble_micro_batches(cand.schedule, pp, cand.v, zb_ratio(fsum, gsum))
         tau = max(work / pp, tmax)
-        sync_key = ("step sync", dp * tp * pp, links.tp, links.pp, links.dp, links.cp)
-        if sync_key not in self.terms.memo:
-            self.terms.memo[sync_key] = step_sync_time(self.profile, dp * tp * pp, links)
-        tail = (agg["opt"] + max(agg["dp"] - gsum, unhidden * agg["dp"])) / pp + self.terms.memo[sync_key]
+        sync = self.terms._get(("step sync", dp * tp * pp, links.tp, links.pp, links.dp, links.cp),
+                               lambda: step_sync_time(self.profile, dp * tp * pp, links))
+        tail = (agg["opt"] + max(agg["dp"] - gsum, unhidden * agg["dp"])) / pp + sync
         return _Bounds((cand.m + bubble) * tau + tail, ratio, work, tmax, tail, bubble, left, block_state, limit)
 
     def _kind_sums(self, b: int, tp: int, schedule: str, terms: Terms | None = None) -> dict:
