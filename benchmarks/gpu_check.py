@@ -64,7 +64,7 @@ def main() -> None:
                     str(args.global_batch_size), "-o", str(plans["presets"])], args.timeout)
 
     from meshplan.planner.cluster_spec import parse_cluster
-    from meshplan.planner.cost_model import model_flops_per_iteration
+    from meshplan.planner.cost_compute import model_flops_per_iteration
     from meshplan.planner.plan import load_plan
 
     peak_flops = parse_cluster(args.preset_cluster).device.peak_flops[args.dtype]

@@ -132,7 +132,7 @@ def published_time(row: dict, model: ModelSpec) -> float | None:
     if row["source_key"] in ("megatron_sc21", "mt_nlg_2022") and pub.get("tflops_per_gpu"):
         return megatron_flops(row, batch, True) / (pub["tflops_per_gpu"] * 1e12 * n)
     if pub.get("tflops_per_gpu"):  # model FLOPs (6·N·D plus attention), as Llama 3 reports them
-        from meshplan.planner.cost_model import model_flops_per_iteration
+        from meshplan.planner.cost_compute import model_flops_per_iteration
 
         flops = model_flops_per_iteration(model, batch, row["model"]["seq_len"])
         return flops / (pub["tflops_per_gpu"] * 1e12 * n)

@@ -312,7 +312,7 @@ class Trainer:
             if p.dp * p.cp > 1 and n > 1:
                 if p.zero <= 1:  # accumulate full gradients locally; reduce once at the end (DDP's no_sync)
                     model.set_requires_gradient_sync(i == n - 1)
-                # ZeRO-2/3 reduce-scatter every micro-batch: gradients stay sharded (planner.cost_model.grad_sync)
+                # ZeRO-2/3 reduce-scatter every micro-batch: gradients stay sharded (planner.cost_collectives.grad_sync)
                 if p.zero <= 2:  # below ZeRO-3 the parameters stay gathered until the last micro-batch
                     model.set_reshard_after_backward(i == n - 1)
             with self._amp():

@@ -18,9 +18,10 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
+from meshplan.planner.candidate import Candidate
 from meshplan.planner.cli import _Parser
 from meshplan.planner.constraints import Constraints
-from meshplan.planner.cost_model import Candidate, evaluate
+from meshplan.planner.cost_model import evaluate
 from meshplan.planner.errors import InputError
 from meshplan.planner.plan import Plan, load_plan
 from meshplan.profiler.profile import CORRECTION_TERMS, Profile, load_profile, save_profile

@@ -36,17 +36,12 @@ are ÷cp (each rank's loss covers its tokens).
 
 from __future__ import annotations
 
-from meshplan.planner.cost_model import (
-    Candidate,
-    Terms,
-    Workspace,
-    activation_bytes,
-    compute_time,
-    pp_comm_time,
-    recompute_time,
-    split_backward_factor,
-    tp_comm_time,
-)
+from meshplan.planner.candidate import Candidate
+from meshplan.planner.cost_collectives import tp_comm_time
+from meshplan.planner.cost_compute import compute_time, recompute_time
+from meshplan.planner.cost_memory import Workspace, activation_bytes
+from meshplan.planner.cost_model import Terms
+from meshplan.planner.cost_pipeline import pp_comm_time, split_backward_factor
 from meshplan.planner.model_spec import ModelSpec
 from meshplan.planner.plan import CP_MODES
 from meshplan.profiler.analytic import DTYPE_BYTES, layer_forward_flops

@@ -38,21 +38,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from meshplan.planner.cost_cp import CPTerms, all_to_all_time
-from meshplan.planner.cost_model import (
-    Candidate,
+from meshplan.planner.candidate import Candidate, Links
+from meshplan.planner.cost_collectives import (
     GradSync,
-    Links,
-    Terms,
-    Workspace,
-    compute_time,
     dp_sync_time,
     engine_copy_time,
     grad_bytes,
     optimizer_time,
     sharded_dp_time,
-    state_bytes_per_param,
 )
+from meshplan.planner.cost_compute import compute_time
+from meshplan.planner.cost_cp import CPTerms, all_to_all_time
+from meshplan.planner.cost_memory import Workspace, state_bytes_per_param
+from meshplan.planner.cost_model import Terms
 from meshplan.planner.model_spec import ModelSpec, expert_params, is_sparse_block
 from meshplan.planner.topology import group_class
 from meshplan.profiler.analytic import DTYPE_BYTES, layer_forward_flops

@@ -14,7 +14,8 @@ Read on the bottleneck rank (the one whose micro-batch time sets the pipeline's 
 
 from __future__ import annotations
 
-from meshplan.planner.cost_model import Candidate, Evaluation, StageProblem, Terms, rank_of_stages
+from meshplan.planner.candidate import Candidate
+from meshplan.planner.cost_model import Evaluation, StageProblem, Terms, rank_of_stages
 
 
 def bottleneck_rank(problem: StageProblem, ev: Evaluation) -> int:

@@ -163,7 +163,7 @@ def _rank_rows(prob: pulp.LpProblem, P: StageProblem, rank_expr, min_memory: boo
         prob += tau >= time, f"tau_{r}"
         prob += tail >= pc["opt"] + pc["dp"] - pc["bwd"], f"tail_overlap_{r}"
         prob += tail >= pc["opt"] + P.unhidden * pc["dp"], f"tail_bucket_{r}"
-        base = pc["state"] + P.fixed[r] / MiB  # cost_model.peak_memory: one row per transient moment
+        base = pc["state"] + P.fixed[r] / MiB  # cost_memory.peak_memory: one row per transient moment
         moments = {"act": P.inflight[r] * pc["act"] + P.ws.act[r] / MiB - P.grads_idle[r] * pc["state"],
                    "emb": P.emb_inflight[r] * pc["act"] + P.ws.emb[r] / MiB,
                    "opt": pc["opt_ws"] + P.ws.opt[r] / MiB}

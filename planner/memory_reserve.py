@@ -1,7 +1,7 @@
 """Device memory that the tensors of the cost model cannot use (issue 21 item 4).
 
 The memory model counts what PyTorch's caching allocator hands out: parameters, gradients, optimizer
-state, activations and workspaces (planner/cost_model.py). A GPU also holds memory outside the
+state, activations and workspaces (planner/cost_memory.py). A GPU also holds memory outside the
 allocator from the start: the CUDA context and NCCL's buffers, one set per communicator (the device's
 `context_bytes` and `communicator_bytes`, sourced in planner/cluster_spec.py). torch creates a
 communicator per process group at its first collective: the world group (initialisation, barriers) and

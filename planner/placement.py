@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 import numpy as np
+from meshplan.planner.candidate import Links
 from meshplan.planner.cluster_spec import ClusterSpec
-from meshplan.planner.cost_model import Links
 from meshplan.planner.model_spec import ModelSpec
 from meshplan.planner.topology import device_levels, group_class, members_per_domain
 

@@ -21,37 +21,36 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from meshplan.planner.candidate import Candidate, Links
 from meshplan.planner.cluster_spec import ClusterSpec
 from meshplan.planner.constraints import Constraints
+from meshplan.planner.cost_collectives import (
+    GradSync,
+    grad_bytes,
+    grad_sync,
+    root_hook_time,
+    step_sync_time,
+    unhidden_share,
+)
+from meshplan.planner.cost_compute import model_flops_per_iteration
 from meshplan.planner.cost_cp import cp_modes, cp_pp_pairs, cp_terms
 from meshplan.planner.cost_ep import ep_options, ep_terms, links_with_ep
+from meshplan.planner.cost_memory import fixed_bytes, gather_workspace, grads_idle, state_bytes_per_param, state_kept
 from meshplan.planner.cost_model import (
-    Candidate,
     Evaluation,
-    GradSync,
-    Links,
     StageProblem,
     Terms,
-    bubble_micro_batches,
     build_problem,
     crossings,
     evaluate,
-    fixed_bytes,
-    gather_workspace,
-    grad_bytes,
-    grad_moments,
-    grad_sync,
-    grads_idle,
-    in_flight,
     least_recompute,
-    model_flops_per_iteration,
+)
+from meshplan.planner.cost_pipeline import (
+    bubble_micro_batches,
+    grad_moments,
+    in_flight,
     pipeline_stage_split,
-    root_hook_time,
-    state_bytes_per_param,
-    state_kept,
-    step_sync_time,
     unfused_share,
-    unhidden_share,
     zb_ratio,
 )
 from meshplan.planner.errors import InfeasibleError, InputError

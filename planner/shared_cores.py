@@ -62,7 +62,7 @@ def relative_rate(profile) -> Rate | None:
 def stage_times(ev: Evaluation) -> list[StageTimes]:
     """Per-micro-batch stage times of an evaluation: the stage's other work (pipeline overhead, engine
     hooks, parameter gathers) as its `overhead`, less the part of 1F1B's pipeline cost that is waiting
-    on the neighbour, which goes on the hops (cost_model.pipeline_busy_wait)."""
+    on the neighbour, which goes on the hops (cost_pipeline.pipeline_busy_wait)."""
     return [StageTimes(forward=s.forward, backward=s.backward, recompute=s.recompute,
                        overhead=max(0.0, s.communication - s.relief), communication=s.hop_wait)
             for s in ev.stages]

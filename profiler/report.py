@@ -70,7 +70,7 @@ def print_profile(profile: Profile, console: Console | None = None) -> None:
         console.print(f"all-reduce of a scalar over all ranks (the step's gradient norm and loss): "
                       f"{profile.step_sync_s * 1e3:.3f} ms")
     if profile.wrappers:
-        from meshplan.planner.cost_model import in_situ_factor
+        from meshplan.planner.cost_collectives import in_situ_factor
         from meshplan.profiler.wrappers import ENGINE_ZERO
 
         et = Table(title=f"data-parallel engines in situ ({profile.wrappers[0].ranks} ranks)")

@@ -101,9 +101,9 @@ class Roofline:
     # slowest GPU, and GPUs of one model differ by "5% and higher ... on an 8-gpu node" (stas00/
     # ml-engineering compute/accelerator/README.md, "Not all accelerators are created equal"). 1: one GPU.
     pace: float = 1.0
-    comm_sms: int = 0  # SMs an overlapped NCCL collective occupies (planner/cost_model.overlap_tax)
+    comm_sms: int = 0  # SMs an overlapped NCCL collective occupies (planner/cost_collectives.overlap_tax)
     # Gradients held and reduced over data parallelism: 4 bytes (fp32) as the executor, Megatron-LM in bf16,
-    # DeepSpeed's BF16_Optimizer and Llama 3 run them (planner/cost_model.py); 2 for Megatron-LM in fp16
+    # DeepSpeed's BF16_Optimizer and Llama 3 run them (planner/cost_memory.py); 2 for Megatron-LM in fp16
     # (its default, accumulate_allreduce_grads_in_fp32 off). grad_reduce "all_reduce": ZeRO-1 that
     # all-reduces whole gradients and updates its optimizer shard (DeepSpeed's BF16_Optimizer), else a
     # reduce-scatter.
@@ -118,7 +118,7 @@ class Roofline:
     grad_accum_bytes: float = 0.0
     selective: str = "attention"  # what selective recompute reruns (SELECTIVE)
     # The data-parallel engine copies parameters out of its all-gather buffer and gradients into its
-    # reduce buffer (FSDP2: the executor, torchtitan; planner/cost_model.engine_copy_time). False for
+    # reduce buffer (FSDP2: the executor, torchtitan; planner/cost_collectives.engine_copy_time). False for
     # engines whose buffers are the parameters' and gradients' own storage (Megatron-LM's DDP and
     # distributed optimizer), or whose copies are not modelled.
     fsdp_copies: bool = True

@@ -1,8 +1,10 @@
 """Context-parallel cost terms (planner/cost_cp.py) against hand calculations, and the search with cp."""
 
 import pytest
+from meshplan.planner.candidate import Candidate
 from meshplan.planner.cluster_spec import parse_cluster
 from meshplan.planner.constraints import Constraints
+from meshplan.planner.cost_compute import compute_time
 from meshplan.planner.cost_cp import (
     CPTerms,
     block_compute_time,
@@ -13,7 +15,7 @@ from meshplan.planner.cost_cp import (
     kv_buffer_bytes,
     mode_fits,
 )
-from meshplan.planner.cost_model import Candidate, Terms, build_problem, compute_time
+from meshplan.planner.cost_model import Terms, build_problem
 from meshplan.planner.errors import InputError
 from meshplan.planner.model_sources import builtin_model
 from meshplan.planner.placement import Placer

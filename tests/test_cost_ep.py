@@ -2,8 +2,11 @@
 and the MoE exports and `plan show` lines."""
 
 import pytest
+from meshplan.planner.candidate import Candidate
 from meshplan.planner.cluster_spec import parse_cluster
 from meshplan.planner.constraints import Constraints
+from meshplan.planner.cost_collectives import GradSync
+from meshplan.planner.cost_compute import model_flops_per_iteration
 from meshplan.planner.cost_ep import (
     DEFAULT_IMBALANCE,
     dispatch_bytes,
@@ -13,7 +16,7 @@ from meshplan.planner.cost_ep import (
     ep_terms,
     token_buffer_bytes,
 )
-from meshplan.planner.cost_model import Candidate, GradSync, Terms, model_flops_per_iteration
+from meshplan.planner.cost_model import Terms
 from meshplan.planner.errors import InputError
 from meshplan.planner.export import to_deepspeed, to_megatron, to_torchtitan
 from meshplan.planner.model_sources import builtin_model

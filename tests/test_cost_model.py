@@ -3,31 +3,27 @@
 import math
 
 import pytest
+from meshplan.planner.candidate import Candidate, Links
 from meshplan.planner.cluster_spec import parse_cluster
-from meshplan.planner.cost_model import (
-    Candidate,
-    Links,
-    StageProblem,
-    Workspace,
-    bubble_micro_batches,
-    build_problem,
-    crossings,
+from meshplan.planner.cost_collectives import (
     dp_ops,
     dp_sync_time,
-    emb_in_flight,
-    evaluate,
     grad_bytes,
-    grad_moments,
-    in_flight,
     optimizer_time,
-    peak_memory,
-    pipeline_stage_time,
     root_hook_time,
     sharded_dp_time,
-    state_bytes_per_param,
     tp_comm_time,
-    unfused_share,
     unhidden_share,
+)
+from meshplan.planner.cost_memory import Workspace, peak_memory, state_bytes_per_param
+from meshplan.planner.cost_model import StageProblem, build_problem, crossings, evaluate
+from meshplan.planner.cost_pipeline import (
+    bubble_micro_batches,
+    emb_in_flight,
+    grad_moments,
+    in_flight,
+    pipeline_stage_time,
+    unfused_share,
     zb_ratio,
 )
 from meshplan.planner.model_sources import builtin_model
@@ -362,7 +358,7 @@ def test_tensor_parallel_optimizer_step_takes_the_measured_dtensor_ratio():
     term; data parallelism's in-situ ratio, when larger, wins; unmeasured degrees step at the plain rate."""
     from dataclasses import replace
 
-    from meshplan.planner.cost_model import optimizer_time
+    from meshplan.planner.cost_collectives import optimizer_time
     from meshplan.profiler.profile import ChainSample, WrapperSample
 
     profile = preset_profile(builtin_model("tiny"), parse_cluster("2xcpu"))
@@ -382,7 +378,8 @@ def test_the_steps_scalar_all_reduces_join_every_ranks_tail():
     tail carries them, and the lower bounds too."""
     from dataclasses import replace
 
-    from meshplan.planner.cost_model import lower_bound, step_sync_time
+    from meshplan.planner.cost_collectives import step_sync_time
+    from meshplan.planner.cost_model import lower_bound
 
     model = builtin_model("tiny")
     profile = preset_profile(model, parse_cluster("4xcpu"))
@@ -406,8 +403,8 @@ def test_the_steps_scalar_all_reduces_join_every_ranks_tail():
 
 
 def test_step_transients_by_hand():
-    """Workspace of the three transient moments (cost_model.Workspace) on a tied model."""
-    from meshplan.planner.cost_model import step_transients
+    """Workspace of the three transient moments (cost_memory.Workspace) on a tied model."""
+    from meshplan.planner.cost_memory import step_transients
 
     model = builtin_model("gpt2")  # tied, V = 50257 (not divisible by 2: the vocabulary is not split)
     V, h, s = model.vocab_size, model.hidden_size, 1024
@@ -433,8 +430,9 @@ def test_in_situ_factor_takes_the_units_from_the_model():
     model (a tied root holds the embedding's weight once): profiles that stored a wrong root read alike."""
     from dataclasses import replace
 
-    from meshplan.planner.cost_model import DTYPE_BYTES, in_situ_factor
+    from meshplan.planner.cost_collectives import in_situ_factor
     from meshplan.planner.model_spec import wrapped_unit_params
+    from meshplan.profiler.analytic import DTYPE_BYTES
     from meshplan.profiler.profile import WrapperSample
 
     model = builtin_model("gpt-20m")
@@ -468,7 +466,7 @@ def test_zero2_without_pipelining_keeps_gradients_sharded_and_reduces_every_micr
 def test_gradient_moments_in_closed_form_equal_the_walk_of_torchs_orders():
     """GPipe, 1F1B and interleaved 1F1B (m a multiple of pp, as the search emits it): the closed form
     equals walking planner/schedule.rank_actions action by action."""
-    from meshplan.planner.cost_model import _looped_moments, _walks
+    from meshplan.planner.cost_pipeline import _looped_moments, _walks
 
     for schedule, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved-1f1b", (2, 3, 4))):
         for pp in (1, 2, 3, 4, 8):

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from meshplan.executor.train import TrainConfig, Trainer
-from meshplan.planner.cost_model import Candidate, grad_sync
+from meshplan.planner.candidate import Candidate
+from meshplan.planner.cost_collectives import grad_sync
 from meshplan.planner.plan import load_plan, save_plan
 
 from tests.executor_worker import free_port, spawn_ranks

@@ -7,8 +7,9 @@ import math
 
 import pytest
 from meshplan.executor.cli import main as executor_main
+from meshplan.planner.candidate import Candidate, Links
 from meshplan.planner.cli import main as plan_main
-from meshplan.planner.cost_model import Candidate, Links, build_problem, evaluate
+from meshplan.planner.cost_model import build_problem, evaluate
 from meshplan.planner.model_sources import from_hf_config
 from meshplan.planner.plan import load_plan, save_plan
 from meshplan.profiler.profile import load_profile

@@ -170,7 +170,7 @@ def test_hierarchical_collective_uses_every_nic_of_the_group():
 
 def test_members_per_domain_and_overlap_tax():
     import numpy as np
-    from meshplan.planner.cost_model import overlap_tax
+    from meshplan.planner.cost_collectives import overlap_tax
     from meshplan.planner.topology import members_per_domain
 
     dom = np.arange(16).reshape(1, 16, 1, 1) // 8  # pp 1, dp 16 over two 8-GPU domains
@@ -309,7 +309,7 @@ def test_torchtitan_selective_reruns_tensor_parallel_gathers():
     """Under torchtitan's selective policies a block's TP collectives rerun one all-reduce's worth on
     average (every second block both forward ones; or every block its two all-gathers, half an all-reduce
     each); Megatron's attention-core selective reruns none, full recompute two."""
-    from meshplan.planner.cost_model import tp_comm_time
+    from meshplan.planner.cost_collectives import tp_comm_time
 
     spec, cluster = builtin_model("llama3-8b"), parse_cluster("8xh100-80gb")
     one = preset_profile(spec, cluster).collective_time("all_reduce", 1 * 4096 * 4096 * 2, 8, "intra_node")
@@ -331,7 +331,8 @@ def test_fsdp2_engine_copies():
     for one replica, or for a measured profile."""
     from dataclasses import replace
 
-    from meshplan.planner.cost_model import Candidate, GradSync, engine_copy_time, grad_sync
+    from meshplan.planner.candidate import Candidate
+    from meshplan.planner.cost_collectives import GradSync, engine_copy_time, grad_sync
 
     spec, cluster = builtin_model("llama3-8b"), parse_cluster("8x8xa100-80gb")
     profile = preset_profile(spec, cluster)
@@ -374,7 +375,8 @@ def test_fused_cross_entropy_loss():
     bf16 gradient of the logits."""
     from dataclasses import replace
 
-    from meshplan.planner.cost_model import Candidate, step_transients
+    from meshplan.planner.candidate import Candidate
+    from meshplan.planner.cost_memory import step_transients
 
     spec, b, s = builtin_model("gpt2"), 8, 1024
     T, V, h = b * s, spec.vocab_size, spec.hidden_size
@@ -401,7 +403,7 @@ def test_megatron_cross_entropy_loss():
     backward allocates only the 16-bit gradient; named software Megatron-LM runs it."""
     from dataclasses import replace
 
-    from meshplan.planner.cost_model import loss_grad_16bit
+    from meshplan.planner.cost_memory import loss_grad_16bit
     from meshplan.planner.model_spec import vocab_shard
     from meshplan.profiler.software import software_settings
 
@@ -423,7 +425,7 @@ def test_blocking_pipeline_transfers():
     from every tensor-parallel rank, in blocking calls: per neighbour and micro-batch a stage waits out both
     transfers of b·s·h values; the default (torch's pipelining, Megatron-LM's scatter-gather) pays one of
     b·s·h/t."""
-    from meshplan.planner.cost_model import pp_comm_time
+    from meshplan.planner.cost_pipeline import pp_comm_time
     from meshplan.profiler.software import software_settings
 
     spec, cluster = builtin_model("gpt3-175b"), parse_cluster("4x8xa100-80gb")

@@ -97,7 +97,7 @@ def test_overhead_keeps_its_measured_time_on_shared_cores():
 
 
 def test_one_f_one_b_round_trip_waits_on_the_hops():
-    from meshplan.planner.cost_model import pipeline_busy_wait
+    from meshplan.planner.cost_pipeline import pipeline_busy_wait
 
     profile = _with_pipeline_costs(_profile(cores=2))
     busy, wait = pipeline_busy_wait(profile, "1f1b")
