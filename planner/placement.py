@@ -17,7 +17,7 @@ import numpy as np
 from meshplan.planner.candidate import Links
 from meshplan.planner.cluster_spec import ClusterSpec
 from meshplan.planner.model_spec import ModelSpec
-from meshplan.planner.topology import device_levels, group_class, members_per_domain
+from meshplan.planner.topology import device_leaves, device_levels, group_class, members_per_domain, ring_exits_fit
 
 # outermost first; context-parallel groups sit between dp and tp: next to TP inside a node / NVLink domain
 # where cp·tp fits, because ring and all-to-all CP communicate every layer (planner/cost_cp.py)
@@ -55,6 +55,7 @@ class Placer:
         self.cluster = cluster
         self.graph = cluster.graph()
         self.domains, self.sus = device_levels(self.graph, cluster.world_size)
+        self.leaves = device_leaves(self.graph, cluster.world_size)
         self._links: dict[tuple, Links] = {}
 
     def place(self, pp: int, dp: int, tp: int, order: tuple[str, ...], cp: int = 1) -> Placement:
@@ -68,9 +69,14 @@ class Placer:
         key = (pp, dp, tp, full_order(order), cp)
         if key not in self._links:
             ranks = self.place(pp, dp, tp, order, cp).ranks
-            dom, su = self.domains[ranks], self.sus[ranks]
-            self._links[key] = Links(tp=group_class(dom, su, 3), pp=group_class(dom, su, 0),
-                                     dp=group_class(dom, su, 1), cp=group_class(dom, su, 2),
+            dom, su, leaf = self.domains[ranks], self.sus[ranks], self.leaves[ranks]
+            over = self.cluster.topology.oversubscription
+
+            def ring(axis: int) -> str:  # collectives: rings leave an SU once each (topology.ring_exits_fit)
+                cls = group_class(dom, su, axis)
+                return "inter_node" if cls == "inter_leaf" and ring_exits_fit(su, leaf, (axis,), over) else cls
+
+            self._links[key] = Links(tp=ring(3), pp=group_class(dom, su, 0), dp=ring(1), cp=ring(2),
                                      dp_local=members_per_domain(dom, (1, 2)))
         return self._links[key]
 

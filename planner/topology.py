@@ -13,6 +13,14 @@ A group of ranks is costed on the slowest link class any of its members must cro
 NCCL runs a collective that spans domains hierarchically and its ring's bottleneck is the per-GPU NIC
 (every GPU drives its own rail), so the per-GPU bandwidth of the slowest class crossed is what the
 collective's bus bandwidth follows (nccl-tests PERFORMANCE.md: "the speed of the hardware bottleneck").
+
+A ring crosses the spine only where it leaves a scalable unit: NCCL chains each channel's ring through the
+nodes in rank order, one network hop from node n's last GPU to node n + 1's first (NVIDIA/nccl
+src/graph/connect.cc, connectRings), so a group spanning k SUs sends one NIC's worth out of each of them.
+Its collectives run at NIC speed (``inter_node``) while every leaf's uplink, its GPUs' NIC bandwidth ÷ the
+oversubscription, has room for the ring exits of all the groups that run at once (`ring_exits_fit`);
+point-to-point between pipeline stages and all-to-all send from every GPU across, and are costed as
+``inter_leaf``.
 """
 
 from __future__ import annotations
@@ -89,6 +97,41 @@ def device_levels(graph: nx.Graph, world: int) -> tuple[np.ndarray, np.ndarray]:
     dom = np.array([graph.nodes[r]["domain"] for r in range(world)], dtype=np.int64)
     su = np.array([graph.nodes[r]["su"] for r in range(world)], dtype=np.int64)
     return dom, su
+
+
+def device_leaves(graph: nx.Graph, world: int) -> np.ndarray:
+    """The index of every rank's leaf switch (its SU and rail), read from the graph; -1 without a network."""
+    names: dict[str, int] = {}
+    leaf = np.full(world, -1, dtype=np.int64)
+    for r in range(world):
+        for nb in graph.neighbors(r):
+            if graph.nodes[nb].get("kind") == "leaf":
+                leaf[r] = names.setdefault(nb, len(names))
+    return leaf
+
+
+def ring_exits_fit(sus: np.ndarray, leaves: np.ndarray, axes: tuple[int, ...], oversubscription: float) -> bool:
+    """Whether the rings of all groups spanning `axes` of a placed mesh (`sus` and `leaves` of its ranks)
+    leave their SUs within the leaves' uplinks. Each group spanning several SUs leaves each of them once,
+    on one of the rails its members there use (shared equally among them); a leaf's uplink carries
+    (its GPUs ÷ oversubscription) NICs' worth."""
+    if oversubscription <= 1.0:
+        return True
+    rest = [a for a in range(sus.ndim) if a not in axes]
+    size = int(np.prod([sus.shape[a] for a in axes]))
+    su = np.transpose(sus, rest + list(axes)).reshape(-1, size)
+    leaf = np.transpose(leaves, rest + list(axes)).reshape(-1, size)
+    spanning = su.min(axis=1) != su.max(axis=1)
+    if not spanning.any() or (leaves < 0).any():
+        return True
+    su, leaf = su[spanning], leaf[spanning]
+    n_leaves, n_sus = int(leaves.max()) + 1, int(sus.max()) + 1
+    group = np.repeat(np.arange(len(su)), size)
+    triples = np.unique(np.stack([group, su.ravel(), leaf.ravel()], axis=1), axis=0)
+    exits, per_exit = np.unique(triples[:, 0] * n_sus + triples[:, 1], return_inverse=True, return_counts=True)[1:]
+    flows = np.bincount(triples[:, 2], weights=1.0 / per_exit[exits], minlength=n_leaves)
+    gpus = np.bincount(leaves.ravel(), minlength=n_leaves)
+    return bool((flows <= gpus / oversubscription + 1e-9).all())
 
 
 def group_class(domains: np.ndarray, sus: np.ndarray, axis: int) -> str:
