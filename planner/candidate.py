@@ -33,7 +33,8 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Links:
-    """Link class of each parallel dimension's worst group under a placement (planner/placement.py)."""
+    """Link class of each parallel dimension's worst group under a placement (planner/placement.py), for its
+    ring collectives (planner/topology.py: a ring leaves each scalable unit once)."""
 
     tp: str
     pp: str
@@ -41,6 +42,12 @@ class Links:
     cp: str = "intra_node"
     ep: str = "intra_node"  # the worst EP group's class (planner/cost_ep.ep_link)
     dp_local: int = 1  # fewest members of a dp x cp group inside one NVLink domain
+    cp_spread: str = ""  # the cp groups' class for all-to-all, which sends from every member across ("": cp)
+
+    def cp_link(self, mode: str) -> str:
+        """The class context parallelism's collectives run on: its ring's, or for all-to-all (DeepSpeed-
+        Ulysses) the groups' own."""
+        return (self.cp_spread or self.cp) if mode == "all-to-all" else self.cp
 
     @property
     def dp_cp(self) -> str:

@@ -77,7 +77,7 @@ class Placer:
                 return "inter_node" if cls == "inter_leaf" and ring_exits_fit(su, leaf, (axis,), over) else cls
 
             self._links[key] = Links(tp=ring(3), pp=group_class(dom, su, 0), dp=ring(1), cp=ring(2),
-                                     dp_local=members_per_domain(dom, (1, 2)))
+                                     dp_local=members_per_domain(dom, (1, 2)), cp_spread=group_class(dom, su, 2))
         return self._links[key]
 
     def orders(self, pp: int, dp: int, tp: int, cp: int = 1) -> list[tuple[str, ...]]:

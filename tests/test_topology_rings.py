@@ -60,3 +60,11 @@ def test_link_classes_follow_the_rings():
     assert Placer(pod(2.0)).links(1, 8, 8, ORDER) == Placer(pod(1.0)).links(1, 8, 8, ORDER)
     assert Placer(pod(4.0)).links(1, 8, 8, ORDER).dp == "inter_leaf"
     assert Placer(pod(2.0)).links(8, 1, 8, ORDER).pp == "inter_leaf"
+
+
+def test_context_parallel_all_to_all_keeps_the_spine():
+    """cp 8 over the 8 nodes (tp 8 inside): ring and all-gather CP run as rings at NIC speed; all-to-all
+    (DeepSpeed-Ulysses) sends from every member to every other and stays on the spine's share."""
+    links = Placer(pod(2.0)).links(1, 1, 8, ORDER, cp=8)
+    assert links.cp == "inter_node" and links.cp_link("ring") == "inter_node"
+    assert links.cp_link("all-gather") == "inter_node" and links.cp_link("all-to-all") == "inter_leaf"
