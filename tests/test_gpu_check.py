@@ -21,3 +21,12 @@ def test_gpu_check_runs_on_cpu(tmp_path):
          "fp32", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "measured profile" in done.stdout and "presets" in done.stdout and "meas/pred" in done.stdout
+
+
+def test_gemm_sustained_runs_on_cpu():
+    """The sustained-GEMM probe keeps one matmul running in windows and reports each one's rate."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gemm_sustained.py"), "--seconds", "1.5", "--window", "0.5",
+         "--shape", "128", "128", "128"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "TFLOP/s" in done.stdout and "last third (median)" in done.stdout
