@@ -6,9 +6,10 @@ reported per window, against the GEMM ceiling the device's preset uses.
 
 Why: the GPU presets' GEMM ceiling (planner/cluster_spec.py, `efficiency`) is ml-engineering's mamf-finder
 figure: per shape 50 warm-up and 100 timed calls with the L2 cache flushed between calls, a short burst
-after a 30 s warm-up. Training keeps the tensor cores busy for hours, and a GPU at its power limit lowers
-its clock. This keeps them busy for `--seconds` and prints each window's rate and, on CUDA, the SM clock,
-power draw and throttle reasons nvidia-smi reports, so the preset can be checked against the hardware.
+after a 30 s warm-up (stas00/ml-engineering compute/accelerator/benchmarks/mamf-finder.py). Training keeps
+the tensor cores busy for hours, and a GPU at its power limit lowers its clock. This keeps them busy for
+`--seconds` and prints each window's rate and, on CUDA, the SM clock, power draw and throttle reasons
+nvidia-smi reports, so the preset can be checked against the hardware.
 Runs on CPU too (fp32, small shapes), which is how the tests check it.
 """
 
