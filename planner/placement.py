@@ -56,6 +56,7 @@ class Placer:
         self.graph = cluster.graph()
         self.domains, self.sus = device_levels(self.graph, cluster.world_size)
         self.leaves = device_leaves(self.graph, cluster.world_size)
+        self.leaf_gpus = np.bincount(self.leaves[self.leaves >= 0])  # GPUs under each leaf switch
         self._links: dict[tuple, Links] = {}
 
     def place(self, pp: int, dp: int, tp: int, order: tuple[str, ...], cp: int = 1) -> Placement:
@@ -74,7 +75,9 @@ class Placer:
 
             def ring(axis: int) -> str:  # collectives: rings leave an SU once each (topology.ring_exits_fit)
                 cls = group_class(dom, su, axis)
-                return "inter_node" if cls == "inter_leaf" and ring_exits_fit(su, leaf, (axis,), over) else cls
+                if cls == "inter_leaf" and ring_exits_fit(su, leaf, (axis,), self.leaf_gpus, over):
+                    return "inter_node"
+                return cls
 
             self._links[key] = Links(tp=ring(3), pp=group_class(dom, su, 0), dp=ring(1), cp=ring(2),
                                      dp_local=members_per_domain(dom, (1, 2)), cp_spread=group_class(dom, su, 2))

@@ -250,8 +250,8 @@ class Search:
     def terms_for(self, cand: Candidate) -> Terms:
         """The candidate's Terms: the shared ones, or its CP degree's (planner/cost_cp.py); for a MoE model
         its EP layout's (planner/cost_ep.py)."""
-        terms = self.terms if cand.cp == 1 else cp_terms(self.terms, cand.cp, cand.cp_mode,
-                                                                  self.links(cand).cp_link(cand.cp_mode))
+        cp_link = self.links(cand).cp_link(cand.cp_mode)
+        terms = self.terms if cand.cp == 1 else cp_terms(self.terms, cand.cp, cand.cp_mode, cp_link)
         return ep_terms(terms, cand, self.links(cand).ep, self.c.moe_imbalance)
 
     def reserve(self, cand: Candidate) -> Reserve:

@@ -110,28 +110,25 @@ def device_leaves(graph: nx.Graph, world: int) -> np.ndarray:
     return leaf
 
 
-def ring_exits_fit(sus: np.ndarray, leaves: np.ndarray, axes: tuple[int, ...], oversubscription: float) -> bool:
+def ring_exits_fit(sus: np.ndarray, leaves: np.ndarray, axes: tuple[int, ...], leaf_gpus: np.ndarray,
+                   oversubscription: float) -> bool:
     """Whether the rings of all groups spanning `axes` of a placed mesh (`sus` and `leaves` of its ranks)
     leave their SUs within the leaves' uplinks. Each group spanning several SUs leaves each of them once,
     on one of the rails its members there use (shared equally among them); a leaf's uplink carries
-    (its GPUs ÷ oversubscription) NICs' worth."""
-    if oversubscription <= 1.0:
+    (its GPUs, `leaf_gpus` by leaf index, ÷ oversubscription) NICs' worth."""
+    if oversubscription <= 1.0 or (leaves < 0).any():
         return True
-    rest = [a for a in range(sus.ndim) if a not in axes]
-    size = int(np.prod([sus.shape[a] for a in axes]))
-    su = np.transpose(sus, rest + list(axes)).reshape(-1, size)
-    leaf = np.transpose(leaves, rest + list(axes)).reshape(-1, size)
+    su, leaf = groups_along(sus, axes), groups_along(leaves, axes)
     spanning = su.min(axis=1) != su.max(axis=1)
-    if not spanning.any() or (leaves < 0).any():
+    if not spanning.any():
         return True
     su, leaf = su[spanning], leaf[spanning]
-    n_leaves, n_sus = int(leaves.max()) + 1, int(sus.max()) + 1
-    group = np.repeat(np.arange(len(su)), size)
+    n_sus = int(sus.max()) + 1
+    group = np.repeat(np.arange(len(su)), su.shape[1])
     triples = np.unique(np.stack([group, su.ravel(), leaf.ravel()], axis=1), axis=0)
     exits, per_exit = np.unique(triples[:, 0] * n_sus + triples[:, 1], return_inverse=True, return_counts=True)[1:]
-    flows = np.bincount(triples[:, 2], weights=1.0 / per_exit[exits], minlength=n_leaves)
-    gpus = np.bincount(leaves.ravel(), minlength=n_leaves)
-    return bool((flows <= gpus / oversubscription + 1e-9).all())
+    flows = np.bincount(triples[:, 2], weights=1.0 / per_exit[exits], minlength=len(leaf_gpus))
+    return bool((flows <= leaf_gpus / oversubscription + 1e-9).all())
 
 
 def group_class(domains: np.ndarray, sus: np.ndarray, axis: int) -> str:
@@ -145,11 +142,16 @@ def group_class(domains: np.ndarray, sus: np.ndarray, axis: int) -> str:
     return "intra_node"
 
 
+def groups_along(mesh: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+    """A per-rank array of a placed mesh as one row per group spanning `axes`."""
+    rest = [a for a in range(mesh.ndim) if a not in axes]
+    return np.transpose(mesh, rest + list(axes)).reshape(-1, int(np.prod([mesh.shape[a] for a in axes])))
+
+
 def members_per_domain(domains: np.ndarray, axes: tuple[int, ...]) -> int:
     """Fewest members any group spanning `axes` of a placed [pp, dp, cp, tp] mesh has inside one NVLink
     domain (its other members sit in other domains)."""
-    rest = [a for a in range(domains.ndim) if a not in axes]
-    groups = np.transpose(domains, rest + list(axes)).reshape(-1, int(np.prod([domains.shape[a] for a in axes])))
+    groups = groups_along(domains, axes)
     fewest = groups.shape[1]
     for row in groups:
         fewest = min(fewest, int(np.unique(row, return_counts=True)[1].min()))

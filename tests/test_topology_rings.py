@@ -22,7 +22,7 @@ def pod(oversubscription: float):
 def mesh_levels(cluster, pp: int, dp: int, tp: int):
     placer = Placer(cluster)
     ranks = placer.place(pp, dp, tp, ORDER).ranks
-    return placer.sus[ranks], placer.leaves[ranks]
+    return placer.sus[ranks], placer.leaves[ranks], placer.leaf_gpus
 
 
 def test_leaves_from_the_graph():
@@ -40,16 +40,16 @@ def test_one_rail_per_group():
     """tp 8 in a node, dp 8 over the nodes: 8 groups, group i on rail i, spanning the 4 SUs. Each leaf
     carries one exit (its rail's group) and has 2 GPUs ÷ oversubscription NICs of uplink: room at 2, not at 4."""
     for over, fits in ((1.0, True), (2.0, True), (4.0, False)):
-        su, leaf = mesh_levels(pod(over), 1, 8, 8)
-        assert ring_exits_fit(su, leaf, (1,), over) is fits
+        su, leaf, gpus = mesh_levels(pod(over), 1, 8, 8)
+        assert ring_exits_fit(su, leaf, (1,), gpus, over) is fits
 
 
 def test_two_rails_per_group():
     """tp 4, dp 16: a dp group holds local ranks k and k + 4 of every node, so its exit from an SU is shared
     by two rails, half a NIC on each leaf: it fits up to an oversubscription of 2 GPUs / 0.5 = 4."""
     for over, fits in ((4.0, True), (5.0, False)):
-        su, leaf = mesh_levels(pod(over), 1, 16, 4)
-        assert ring_exits_fit(su, leaf, (1,), over) is fits
+        su, leaf, gpus = mesh_levels(pod(over), 1, 16, 4)
+        assert ring_exits_fit(su, leaf, (1,), gpus, over) is fits
 
 
 def test_link_classes_follow_the_rings():
