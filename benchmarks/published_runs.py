@@ -60,7 +60,7 @@ SOFTWARE: dict[str, str | dict] = {
     "bloom_bigscience": "megatron-deepspeed-2022",
     "mt_nlg_2022": software_settings("megatron-deepspeed-2022") | dict(grad_reduce="reduce_scatter",
                                                                        grad_accum_bytes=6),
-    "llama3_herd_2024": dict(attention="flash", activations="sharded", **_NO_COPIES),
+    "llama3_herd_2024": dict(attention="flash", activations="sharded", sharded_accumulation=True, **_NO_COPIES),
     "megatron_readme_h100_2024": "megatron",
     "llm_foundry_mpt": dict(attention="flash1", loss="fused", **_NO_COPIES),
     "torchtitan": "torchtitan",
@@ -185,7 +185,7 @@ def main() -> None:
         profile = preset_profile(model, cluster, constraints_of(row, True).dtype, **software(row))
         lay = row["layout"]
         cp_tag = f" c{lay['cp']}" if (lay.get("cp") or 1) > 1 else ""
-        layout = f"t{lay['tp']}{cp_tag} p{lay['pp']} d{lay['dp']} v{lay.get('virtual_stages') or 1} " \
+        layout = f"t{lay['tp']}{cp_tag} p{lay['pp']} d{lay['dp']} v{lay.get('virtual_stages') or '?'} " \
                  f"b{lay.get('micro_batch_size') or '?'} {lay.get('recompute') or '?'}"
         target = published_time(row, model)
         try:

@@ -72,14 +72,21 @@ class GradSync:
     gathers: int = 1
 
 
-def grad_sync(cand: Candidate) -> GradSync:
+def grad_sync(cand: Candidate, sharded_accumulation: bool = False) -> GradSync:
     """ZeRO-2/3 without pipelining reduce-scatter every micro-batch, so gradients stay sharded (as DeepSpeed
     and torchtitan run them). ZeRO-0/1 reduce once after the last micro-batch (DDP's no_sync), and so
     does every pipelined plan: torch.distributed.pipelining skips the reduction until a stage's last
-    backward."""
-    every = cand.zero >= 2 and cand.pp == 1 and cand.dp * cand.cp > 1 and cand.m > 1
+    backward; unless the software keeps gradients sharded under pipelining too (`sharded_accumulation`,
+    Roofline.sharded_accumulation)."""
+    every = cand.zero >= 2 and (cand.pp == 1 or sharded_accumulation) and cand.dp * cand.cp > 1 and cand.m > 1
     return GradSync(full_grads=cand.m > 1 and not every, reductions=cand.m if every else 1,
                     gathers=2 * cand.m if cand.zero >= 3 else 1)
+
+
+def sharded_accumulation(profile) -> bool:
+    """Whether the profile's software keeps gradients sharded through a pipelined step (a preset's)."""
+    r = getattr(profile, "roofline", None)
+    return bool(r is not None and r.sharded_accumulation)
 
 
 def engine_copy_time(profile, params: float, dtype: str, dp: int, zero: int, sync: GradSync) -> float:
@@ -134,6 +141,22 @@ def dp_sync_time(profile, params: float, dtype: str, dp: int, zero: int, link_cl
         (reductions - 1) * _link_time(profile, ops[:1], params, dtype, dp, link_class)
     k = in_situ_factor(profile, zero)
     return t * (k if k is not None else 1.0) * profile.correction("dp_comm")
+
+
+def dp_reduction_times(profile, params: float, dtype: str, dp: int, zero: int, link_class: str,
+                       sync: GradSync) -> tuple[float, float]:
+    """(per-iteration DP traffic of the step's tail, per-micro-batch reduction traffic) of one unit. Where a
+    step reduces gradients after every micro-batch (`GradSync.reductions` > 1), the reductions before the
+    last run beside later micro-batches' compute, on the communicator the parameter gathers use (NCCL runs
+    one communicator's collectives in order), so they join the gathers' per-micro-batch pool
+    (cost_model.evaluate), spread evenly over the micro-batches; the last one stays in the tail. Measured
+    in situ, all of it stays in the tail (the measurement is the exposed time)."""
+    if sync.reductions <= 1 or dp <= 1 or profile.wrapper(zero) is not None:
+        return dp_sync_time(profile, params, dtype, dp, zero, link_class, sync.reductions), 0.0
+    ops, _ = dp_ops(zero, grad_reduce_op(profile))
+    one = _link_time(profile, ops[:1], params, dtype, dp, link_class) * profile.correction("dp_comm")
+    return (dp_sync_time(profile, params, dtype, dp, zero, link_class),
+            one * (sync.reductions - 1) / sync.reductions)
 
 
 def sharded_dp_time(profile, params: float, dtype: str, dp: int, zero: int, link_class: str) -> float:

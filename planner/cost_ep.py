@@ -41,7 +41,7 @@ from dataclasses import replace
 from meshplan.planner.candidate import Candidate, Links
 from meshplan.planner.cost_collectives import (
     GradSync,
-    dp_sync_time,
+    dp_reduction_times,
     engine_copy_time,
     grad_bytes,
     optimizer_time,
@@ -208,7 +208,7 @@ class _EPMixin:
         return out
 
     def per_layer(self, tp: int, dp: int, zero: int, link: str, sync: GradSync = GradSync(False, 1)
-                  ) -> tuple[list, list, list, list]:
+                  ) -> tuple[list, list, list, list, list]:
         """`dp` = dp·cp. A MoE block: experts ÷ (ep·expert_tp), ZeRO and gradient sync over dp·cp/ep; the
         rest as Terms.per_layer."""
         def make():
@@ -222,24 +222,25 @@ class _EPMixin:
             bytes_dp = sum(state_bytes_per_param(self.dtype, zero, dp, sync.full_grads, g))
             bytes_edp = sum(state_bytes_per_param(self.dtype, zero, edp, sync.full_grads, g))
             in_situ = dp > 1 and self.profile.wrapper(zero) is not None
-            by_params: dict[float, tuple[float, float, float, float | None]] = {}  # sparse blocks repeat
+            by_params: dict[float, tuple] = {}  # sparse blocks repeat
             for i, layer in enumerate(model.layers):
                 if layer.kind != "block" or not is_sparse_block(model, int(layer.name.split(".")[-1])):
                     continue
                 if layer.params not in by_params:
                     rest = (layer.params - experts) / tp
+                    tail_r, reduce_r = dp_reduction_times(self.profile, rest, self.dtype, dp, zero, link, sync)
+                    tail_e, reduce_e = dp_reduction_times(self.profile, ex, self.dtype, edp, zero, link, sync)
                     by_params[layer.params] = (
                         rest * bytes_dp + ex * bytes_edp,
                         optimizer_time(self.profile, rest, dp, zero, tp)
                         + optimizer_time(self.profile, ex, edp, zero, tp)
                         + engine_copy_time(self.profile, rest, self.dtype, dp, zero, sync)
                         + engine_copy_time(self.profile, ex, self.dtype, edp, zero, sync),
-                        dp_sync_time(self.profile, rest, self.dtype, dp, zero, link, sync.reductions)
-                        + dp_sync_time(self.profile, ex, self.dtype, edp, zero, link, sync.reductions),
+                        tail_r + tail_e,
                         None if in_situ else sharded_dp_time(self.profile, rest, self.dtype, dp, zero, link)
-                        + sharded_dp_time(self.profile, ex, self.dtype, edp, zero, link))
-                state, opt, sync_s, per_mb = by_params[layer.params]
-                out[0][i], out[1][i], out[2][i] = state, opt, sync_s
+                        + sharded_dp_time(self.profile, ex, self.dtype, edp, zero, link), reduce_r + reduce_e)
+                state, opt, sync_s, per_mb, reduce = by_params[layer.params]
+                out[0][i], out[1][i], out[2][i], out[4][i] = state, opt, sync_s, reduce
                 if per_mb is not None:
                     out[3][i] = per_mb
             return out

@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 from meshplan.planner.candidate import Candidate, Links
 from meshplan.planner.cost_collectives import (
     GradSync,
-    dp_sync_time,
+    dp_reduction_times,
     engine_copy_time,
     grad_bytes,
     grad_sync,
     optimizer_time,
     overlap_tax,
     root_hook_time,
+    sharded_accumulation,
     sharded_dp_time,
     step_sync_time,
     tp_comm_time,
@@ -87,7 +88,8 @@ class StageProblem:
     state: list[float]
     opt: list[float]
     dp: list[float]
-    gather: list[float]
+    gather: list[float]  # per micro-batch: ZeRO-3 parameter gathers
+    reduce: list[float]  # per micro-batch: gradient reductions before the step's last (dp_reduction_times)
     rec_time: float
     rec_saving: float
     rec_tp: float  # TP comm added per recomputed block (already in rec_time; kept for the report)
@@ -138,13 +140,14 @@ class StageProblem:
         return all(
             all(math.isclose(arr[i], arr[1], rel_tol=1e-12, abs_tol=0.0) for i in blocks)
             for arr in (self.time, self.fwd, self.bwd, self.act, self.state, self.opt, self.dp, self.gather,
-                        self.ws.per_layer)
+                        self.reduce, self.ws.per_layer)
         )
 
     def key(self) -> tuple:
         """Identical sub-problems (many candidates share one) hash equal."""
         return (tuple(self.kinds), tuple(self.time), tuple(self.fwd), tuple(self.bwd), tuple(self.act),
-                tuple(self.state), tuple(self.opt), tuple(self.dp), tuple(self.gather), self.rec_time,
+                tuple(self.state), tuple(self.opt), tuple(self.dp), tuple(self.gather), tuple(self.reduce),
+                self.rec_time,
                 self.rec_saving, tuple(self.boundary), tuple(self.rank), tuple(self.inflight),
                 tuple(self.fixed), self.mem_limit, self.weight, self.unhidden, self.recompute, tuple(self.cuts),
                 tuple(self.ws.act), tuple(self.ws.emb), tuple(self.ws.opt), tuple(self.ws.per_layer),
@@ -195,8 +198,8 @@ def evaluate(problem: StageProblem, bounds: list[int], recompute: list[int],
     [bounds[s], bounds[s+1]) and recomputes `recompute[s]` of its blocks.
 
     iteration = (m + bubble) · max_rank τ_rank + max_rank tail_rank, with τ_rank the rank's time per
-    micro-batch (all its stages, plus the sharded-DP traffic it cannot hide: max(gather − compute,
-    unhidden · gather), prefetching across the rank's layers) and tail_rank = optimizer + exposed
+    micro-batch (all its stages, plus the sharded-DP traffic it cannot hide: max(gather + reduce −
+    compute, unhidden · gather), prefetching across the rank's layers) and tail_rank = optimizer + exposed
     gradient sync, exposed = max(sync − one micro-batch of the rank's backward, unhidden · sync) (the
     last bucket cannot overlap). A rank's memory is its state, fixed bytes and the largest transient
     moment of `peak_memory`."""
@@ -208,7 +211,7 @@ def evaluate(problem: StageProblem, bounds: list[int], recompute: list[int],
         rows.append(dict(
             f=sum(P.fwd[i] for i in layers), g=sum(P.bwd[i] for i in layers),
             base=sum(P.time[i] for i in layers) + r * P.rec_time + P.boundary[s],
-            gather=sum(P.gather[i] for i in layers), rec=r * P.rec_time,
+            gather=sum(P.gather[i] for i in layers), reduce=sum(P.reduce[i] for i in layers), rec=r * P.rec_time,
             act=sum(P.act[i] for i in layers) - r * P.rec_saving, state=sum(P.state[i] for i in layers),
             opt=sum(P.opt[i] for i in layers), dp=sum(P.dp[i] for i in layers),
             opt_ws=sum(P.ws.per_layer[i] for i in layers)))
@@ -216,10 +219,11 @@ def evaluate(problem: StageProblem, bounds: list[int], recompute: list[int],
     tau, tails, mem, z3 = [], [], [], []
     for r, stages in enumerate(ranks):
         gather = sum(rows[s]["gather"] for s in stages)
+        pooled = gather + sum(rows[s]["reduce"] for s in stages)
         compute = sum(rows[s]["f"] + rows[s]["g"] for s in stages)
-        z3.append(max(gather - compute, P.unhidden * gather) if gather > 0 else 0.0)
-        # hidden gathers still slow the compute they overlap (overlap_tax of it while they run)
-        z3[r] += P.overlap_tax * (gather - z3[r]) if gather > 0 else 0.0
+        z3.append(max(pooled - compute, P.unhidden * gather) if pooled > 0 else 0.0)
+        # hidden traffic still slows the compute it overlaps (overlap_tax of it while it runs)
+        z3[r] += P.overlap_tax * (pooled - z3[r]) if pooled > 0 else 0.0
         tau.append(sum(rows[s]["base"] for s in stages) + z3[r])
         sync = sum(rows[s]["dp"] for s in stages)
         exposed = max(sync - sum(rows[s]["g"] for s in stages), P.unhidden * sync)
@@ -234,8 +238,8 @@ def evaluate(problem: StageProblem, bounds: list[int], recompute: list[int],
     for s, row in enumerate(rows):
         r = P.rank[s]
         stages = ranks[r]
-        gather_r = sum(rows[k]["gather"] for k in stages)
-        share = row["gather"] / gather_r if gather_r > 0 else 0.0
+        pooled_r = sum(rows[k]["gather"] + rows[k]["reduce"] for k in stages)
+        share = (row["gather"] + row["reduce"]) / pooled_r if pooled_r > 0 else 0.0
         total = row["base"] + z3[r] * share
         n_r = len(stages)
         results.append(StageResult(
@@ -304,13 +308,14 @@ class Terms:
                          lambda: pp_comm_time(self.profile, b, self.s, h, tp, self.dtype, tp > 1, link))
 
     def per_layer(self, tp: int, dp: int, zero: int, link: str, sync: GradSync = GradSync(False, 1)
-                  ) -> tuple[list, list, list, list]:
-        """(state bytes, optimizer s, per-iteration DP sync s, per-micro-batch sharded DP s) of every layer."""
+                  ) -> tuple[list, list, list, list, list]:
+        """(state bytes, optimizer s, per-iteration DP sync s, per-micro-batch sharded DP s, per-micro-batch
+        gradient reductions s) of every layer (`dp_reduction_times`)."""
         def make():
             g = grad_bytes(self.profile, self.dtype)
             pb, gb, ob = state_bytes_per_param(self.dtype, zero, dp, sync.full_grads, g)
             by_params: dict[tuple, tuple] = {}
-            out: tuple[list, list, list, list] = ([], [], [], [])
+            out: tuple[list, list, list, list, list] = ([], [], [], [], [])
             in_situ = dp > 1 and self.profile.wrapper(zero) is not None
             for layer in self.model.layers:
                 key = (layer.params, layer.kind == "block")
@@ -319,10 +324,10 @@ class Terms:
                     # in situ, the embedding's and head's hooks are the stage root's (root_hook_time)
                     per_mb = 0.0 if in_situ and layer.kind != "block" else \
                         sharded_dp_time(self.profile, w, self.dtype, dp, zero, link)
+                    tail, reduce = dp_reduction_times(self.profile, w, self.dtype, dp, zero, link, sync)
                     by_params[key] = (
                         w * (pb + gb + ob), optimizer_time(self.profile, w, dp, zero, tp)
-                        + engine_copy_time(self.profile, w, self.dtype, dp, zero, sync),
-                        dp_sync_time(self.profile, w, self.dtype, dp, zero, link, sync.reductions), per_mb)
+                        + engine_copy_time(self.profile, w, self.dtype, dp, zero, sync), tail, per_mb, reduce)
                 for lst, value in zip(out, by_params[key]):
                     lst.append(value)
             return out
@@ -352,8 +357,8 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
     bwd = [rows[k][1] for k in kinds]
     time = [rows[k][0] + rows[k][1] + rows[k][2] for k in kinds]
     act = [rows[k][3] for k in kinds]
-    sync = grad_sync(cand)
-    state, opt, dps, gather = terms.per_layer(tp, dp, zero, links.dp_cp_group, sync)
+    sync = grad_sync(cand, sharded_accumulation(profile))
+    state, opt, dps, gather, reduce = terms.per_layer(tp, dp, zero, links.dp_cp_group, sync)
     rec_time, rec_saving, rec_tp = terms.recompute(b, tp, cand.recompute)
     S = cand.num_stages
     rank = [stage_rank(k, pp, cand.schedule, v) for k in range(S)]
@@ -372,6 +377,7 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
     recompute = "none" if cand.recompute == "none" else ("all" if cand.recompute_pinned else "free")
     return StageProblem(
         kinds=kinds, time=time, fwd=fwd, bwd=bwd, act=act, state=state, opt=opt, dp=dps, gather=gather,
+        reduce=reduce,
         rec_time=rec_time, rec_saving=rec_saving, rec_tp=rec_tp, boundary=boundary, rank=rank, pp=pp,
         inflight=inflight, fixed=fixed, mem_limit=mem_limit, weight=cand.m + bubble, bubble=bubble, m=cand.m,
         unhidden=unhidden_share(profile, dp, zero, len(kinds), S), recompute=recompute, cuts=cuts,
@@ -435,7 +441,8 @@ def lower_bound(problem: StageProblem) -> float:
     shorter than the longest layer, plus the average tail."""
     P = problem
     gather = sum(P.gather)
-    z3 = max(gather - sum(P.fwd) - sum(P.bwd), P.unhidden * gather) if gather > 0 else 0.0
+    pooled = gather + sum(P.reduce)
+    z3 = max(pooled - sum(P.fwd) - sum(P.bwd), P.unhidden * gather) if pooled > 0 else 0.0
     work = sum(P.time) + sum(P.boundary) - sum(P.boundary_relief) + z3  # relief: the simulation may hide it
     if P.recompute == "all":
         work += P.rec_time * sum(1 for k in P.kinds if k == "block")

@@ -8,7 +8,8 @@ Read on the bottleneck rank (the one whose micro-batch time sets the pipeline's 
 - ``fsdp_gather``: ZeRO-3 all-gathers the prefetch cannot hide behind the previous unit's compute (the
   first unit's at least);
 - ``dp``: the gradient reduction left after the backward it overlaps with (the last bucket at least;
-  all of it when the software reduces after the backward);
+  all of it when the software reduces after the backward), and where a step reduces after every
+  micro-batch, the share of the per-micro-batch traffic it pools with the gathers that compute cannot hide;
 - ``cp`` / ``ep`` (context / expert parallel), added by their cost terms.
 """
 
@@ -30,7 +31,7 @@ def exposed_communication(cand: Candidate, problem: StageProblem, ev: Evaluation
     r = bottleneck_rank(problem, ev)
     side = terms.side_comm(cand.b, cand.tp, cand.recompute)
     rec_tp = terms.recompute(cand.b, cand.tp, cand.recompute)[2] if cand.recompute != "none" else 0.0
-    tp = pp = comm = dp = 0.0
+    tp = pp = comm = dp = gathers = reduces = 0.0
     other = dict.fromkeys(side, 0.0)
     for s in rank_of_stages(problem)[r]:
         layers = range(bounds[s], bounds[s + 1])
@@ -43,7 +44,11 @@ def exposed_communication(cand: Candidate, problem: StageProblem, ev: Evaluation
         pp += problem.boundary[s] - (problem.boundary_relief[s] if problem.boundary_relief else 0.0)
         comm += ev.stages[s].communication
         dp += ev.stages[s].dp_sync
-    gather = comm - tp - pp - sum(other.values())
-    out = {"tp": cand.m * max(tp, 0.0), "pp": cand.m * pp, "dp": dp,
-           "fsdp_gather": cand.m * gather if gather > 1e-9 * comm else 0.0}  # not the sums' rounding
+        gathers += sum(problem.gather[i] for i in layers)
+        reduces += sum(problem.reduce[i] for i in layers)
+    pooled = comm - tp - pp - sum(other.values())
+    pooled = pooled if pooled > 1e-9 * comm else 0.0  # not the sums' rounding
+    reduce_share = reduces / (gathers + reduces) if reduces > 0 else 0.0
+    out = {"tp": cand.m * max(tp, 0.0), "pp": cand.m * pp, "dp": dp + cand.m * pooled * reduce_share,
+           "fsdp_gather": cand.m * pooled * (1.0 - reduce_share)}
     return out | {name: cand.m * v for name, v in other.items()}

@@ -151,18 +151,20 @@ def _rank_rows(prob: pulp.LpProblem, P: StageProblem, rank_expr, min_memory: boo
     tau = prob.add_variable("tau", lowBound=0)
     tail = prob.add_variable("tail", lowBound=0)
     excess = prob.add_variable("excess", lowBound=0) if min_memory else None
-    zero3 = any(g > 0 for g in P.gather)
+    zero3 = any(g > 0 for g in P.gather) or any(x > 0 for x in P.reduce)
     for r in range(P.pp):
         pc = rank_expr(r)
         time = pc["time"]
-        if zero3:  # gathers not hidden behind the rank's compute (cost_model.evaluate)
+        tax = P.overlap_tax  # hidden traffic slows the compute it overlaps: exposed + tax · (traffic − exposed)
+        if zero3:  # gathers and reductions not hidden behind the rank's compute (cost_model.evaluate)
             z = prob.add_variable(f"z3_{r}", lowBound=0)
-            prob += z >= pc["gather"] - pc["fwd"] - pc["bwd"], f"z3_over_{r}"
+            pooled = pc["gather"] + pc["reduce"]
+            prob += z >= pooled - pc["fwd"] - pc["bwd"], f"z3_over_{r}"
             prob += z >= P.unhidden * pc["gather"], f"z3_floor_{r}"
-            time = time + z
+            time = time + (1.0 - tax) * z + tax * pooled if tax else time + z
         prob += tau >= time, f"tau_{r}"
-        prob += tail >= pc["opt"] + pc["dp"] - pc["bwd"], f"tail_overlap_{r}"
-        prob += tail >= pc["opt"] + P.unhidden * pc["dp"], f"tail_bucket_{r}"
+        prob += tail >= pc["opt"] + (1.0 - tax) * (pc["dp"] - pc["bwd"]) + tax * pc["dp"], f"tail_overlap_{r}"
+        prob += tail >= pc["opt"] + ((1.0 - tax) * P.unhidden + tax) * pc["dp"], f"tail_bucket_{r}"
         base = pc["state"] + P.fixed[r] / MiB  # cost_memory.peak_memory: one row per transient moment
         moments = {"act": P.inflight[r] * pc["act"] + P.ws.act[r] / MiB - P.grads_idle[r] * pc["state"],
                    "emb": P.emb_inflight[r] * pc["act"] + P.ws.emb[r] / MiB,
@@ -182,7 +184,7 @@ def _pieces(P: StageProblem, layer_sum, rec, boundary: float) -> dict:
     return {
         "time": layer_sum([t * MS for t in P.time]) + P.rec_time * MS * rec + boundary * MS,
         "fwd": layer_sum([f * MS for f in P.fwd]), "bwd": layer_sum([b * MS for b in P.bwd]),
-        "gather": layer_sum([g * MS for g in P.gather]),
+        "gather": layer_sum([g * MS for g in P.gather]), "reduce": layer_sum([x * MS for x in P.reduce]),
         "dp": layer_sum([d * MS for d in P.dp]), "opt": layer_sum([o * MS for o in P.opt]),
         "state": layer_sum([x / MiB for x in P.state]),
         "opt_ws": layer_sum([x / MiB for x in P.ws.per_layer]),
@@ -388,5 +390,6 @@ def _time_key(P: StageProblem) -> tuple:
     rounded to 12 digits: ZeRO-1 and ZeRO-2 reach the same sync time through different sums)."""
     def r(xs):
         return tuple(float(f"{x:.12g}") for x in xs)
-    return (tuple(P.kinds), r(P.time), r(P.fwd), r(P.bwd), r(P.opt), r(P.dp), r(P.gather), r([P.rec_time]),
-            r(P.boundary), tuple(P.rank), r([P.weight, P.unhidden]), P.recompute, tuple(P.cuts))
+    return (tuple(P.kinds), r(P.time), r(P.fwd), r(P.bwd), r(P.opt), r(P.dp), r(P.gather), r(P.reduce),
+            r([P.rec_time]), r(P.boundary), tuple(P.rank), r([P.weight, P.unhidden, P.overlap_tax]), P.recompute,
+            tuple(P.cuts))

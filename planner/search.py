@@ -29,6 +29,7 @@ from meshplan.planner.cost_collectives import (
     grad_bytes,
     grad_sync,
     root_hook_time,
+    sharded_accumulation,
     step_sync_time,
     unhidden_share,
 )
@@ -230,6 +231,7 @@ class Search:
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, constraints: Constraints, profile,
                  solver: str | None = None, force_assignment: bool = False):
         self.model, self.cluster, self.c, self.profile = model, cluster, constraints, profile
+        self.sharded = sharded_accumulation(profile)  # the software keeps gradients sharded when pipelined
         self.seq = constraints.effective_seq_len(model)
         self.placer = Placer(cluster)
         self.cuts = allowed_cuts(model_graph(model))
@@ -301,11 +303,13 @@ class Search:
         sums = self._kind_sums(b, tp, cand.schedule, terms)
         fsum, gsum, tsum, tmax = sums["f"], sums["g"], sums["t"], sums["tmax"]
         rows = sums["rows"]
-        agg = self._layer_sums(tp, dp, cand.zero, links.dp_cp_group, grad_sync(cand), terms)
+        sync_plan = grad_sync(cand, self.sharded)
+        agg = self._layer_sums(tp, dp, cand.zero, links.dp_cp_group, sync_plan, terms)
         rank = self._ranks(pp, cand.schedule, cand.v)
         pipe = self._pipeline(cand, links.pp, rank)[0]
         unhidden = unhidden_share(self.profile, dp, cand.zero, q.num_layers, S)
-        z3 = max(agg["gather"] - fsum - gsum, unhidden * agg["gather"]) if agg["gather"] > 0 else 0.0
+        pooled = agg["gather"] + agg["reduce"]
+        z3 = max(pooled - fsum - gsum, unhidden * agg["gather"]) if pooled > 0 else 0.0
         work = tsum + pipe + z3 + S * root_hook_time(self.profile, dp, cand.zero)
         rec_time, rec_saving, _ = terms.recompute(b, tp, cand.recompute)
         recompute = "none" if cand.recompute == "none" else ("all" if cand.recompute_pinned else "free")
@@ -390,8 +394,8 @@ class Search:
         root = root_hook_time(self.profile, dp, cand.zero)
         for k in rank:
             fixed[k] += root
-        for i, _, kind in self._layer_sums(cand.tp, dp, cand.zero, links.dp_cp_group, grad_sync(cand),
-                                           terms)["ends"]:
+        for i, _, kind in self._layer_sums(cand.tp, dp, cand.zero, links.dp_cp_group,
+                                           grad_sync(cand, self.sharded), terms)["ends"]:
             fixed[rank[0] if i < q.first_block else rank[-1]] += sum(rows[kind][:3])
         rec_time, rec_saving, _ = terms.recompute(cand.b, cand.tp, cand.recompute)
         mode = "none" if cand.recompute == "none" else ("all" if cand.recompute_pinned else "free")
@@ -422,11 +426,11 @@ class Search:
         terms = terms if terms is not None and terms.model.moe is not None else self.terms
         key = ("sums", tp, dp, zero, link, sync)
         if key not in terms.memo:
-            state, opt, dps, gather = terms.per_layer(tp, dp, zero, link, sync)
+            state, opt, dps, gather, reduce = terms.per_layer(tp, dp, zero, link, sync)
             kinds = self.quick.kinds
             blocks = [i for i, k in enumerate(kinds) if k == "block"]
             self.terms.memo[key] = dict(
-                state=sum(state), opt=sum(opt), dp=sum(dps), gather=sum(gather),
+                state=sum(state), opt=sum(opt), dp=sum(dps), gather=sum(gather), reduce=sum(reduce),
                 block_state=sum(state[i] for i in blocks),
                 block_state_min=min((state[i] for i in blocks), default=0.0),
                 ends=[(i, state[i], k) for i, k in enumerate(kinds) if k != "block"],
@@ -800,7 +804,8 @@ def _parallel(search: Search, scored: Scored) -> ParallelConfig:
 def to_plan(search: Search, results: list[Scored], stats: SearchStats) -> Plan:
     best = results[0]
     cand, sol = best.cand, best.solution
-    pb, gb, ob = state_bytes_per_param(search.c.dtype, cand.zero, cand.dp, grad_sync(cand).full_grads,
+    pb, gb, ob = state_bytes_per_param(search.c.dtype, cand.zero, cand.dp,
+                                        grad_sync(cand, search.sharded).full_grads,
                                         grad_bytes(search.profile, search.c.dtype))
     total = pb + gb + ob
     ev = evaluate(best.problem, sol.bounds, sol.recompute, (pb / total, gb / total, ob / total))

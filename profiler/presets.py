@@ -23,7 +23,8 @@ def device_roofline(cluster: ClusterSpec, dtype: str, attention: str = "flash", 
                     grad_overlap: bool = True, sequence_parallel: bool = True, grad_bytes: int = 4,
                     grad_reduce: str = "reduce_scatter", grad_accum_bytes: float = 0.0,
                     selective: str = "attention", fsdp_copies: bool = True, loss: str = "fp32",
-                    p2p: str = "overlapped", software: str = "meshplan") -> Roofline | None:
+                    p2p: str = "overlapped", sharded_accumulation: bool = False,
+                    software: str = "meshplan") -> Roofline | None:
     """The per-operation model of a GPU preset (None for a CPU or a device without SM count); the
     software settings default to the executor's (profiler/roofline.py). attention "flash1": software that
     ran FlashAttention-1 (cluster_spec.FLASH1_PRESETS)."""
@@ -43,7 +44,8 @@ def device_roofline(cluster: ClusterSpec, dtype: str, attention: str = "flash", 
                     pace=1.0 - d.device_spread if cluster.world_size > 1 else 1.0, comm_sms=d.comm_sms,
                     grad_bytes=grad_bytes, grad_reduce=grad_reduce, gemm_k0=d.gemm_k0, gemm_k_ref=d.gemm_k_ref,
                     grad_accum_bytes=grad_accum_bytes, selective=selective,
-                    fsdp_copies=fsdp_copies, loss=loss, p2p=p2p, software=software)
+                    fsdp_copies=fsdp_copies, loss=loss, p2p=p2p,
+                    sharded_accumulation=sharded_accumulation, software=software)
 
 
 def preset_profile(model: ModelSpec, cluster: ClusterSpec, dtype: str = "bf16", **software) -> Profile:

@@ -124,6 +124,11 @@ class Roofline:
     fsdp_copies: bool = True
     loss: str = "fp32"  # LOSS
     p2p: str = "overlapped"  # P2P
+    # A pipelined ZeRO-2/3 plan keeps its gradients sharded through gradient accumulation, reduce-scattering
+    # each micro-batch's (Llama 3's FSDP "shards the optimizer states and gradients", arXiv:2407.21783
+    # §3.3.2). False: full gradients are accumulated and reduced after the last micro-batch, as
+    # torch.distributed.pipelining (the executor, torchtitan) and Megatron's distributed optimizer do.
+    sharded_accumulation: bool = False
     software: str = "meshplan"  # the name these settings were made from (profiler/software.py), for reports
 
     def to_dict(self) -> dict:
@@ -151,7 +156,8 @@ class Roofline:
                    f.float("grad_accum_bytes", min=0.0, default=0.0),
                    f.str("selective", choices=SELECTIVE, default="attention"),
                    f.bool("fsdp_copies", default=True), f.str("loss", choices=LOSS, default="fp32"),
-                   f.str("p2p", choices=P2P, default="overlapped"), f.str("software", default="meshplan"))
+                   f.str("p2p", choices=P2P, default="overlapped"),
+                   f.bool("sharded_accumulation", default=False), f.str("software", default="meshplan"))
 
     # ---- primitives ----
 

@@ -80,10 +80,10 @@ def test_bubble_closed_forms():
     assert bubble_micro_batches("1f1b", 1, 1, 0.0) == 0
 
 
-def _problem(**kw):
+def _problem(software: dict | None = None, **kw):
     model = builtin_model("llama3-8b")
     cluster = parse_cluster("8xa100-80gb")
-    profile = preset_profile(model, cluster)
+    profile = preset_profile(model, cluster, **(software or {}))
     cand = Candidate(**{**dict(dp=1, tp=1, pp=4, v=1, schedule="1f1b", b=1, m=8, zero=0, recompute="none"), **kw})
     links = Links("intra_node", "intra_node", "intra_node")
     cuts = [True] * len(model.layers)
@@ -450,17 +450,45 @@ def test_in_situ_factor_takes_the_units_from_the_model():
 
 def test_zero2_without_pipelining_keeps_gradients_sharded_and_reduces_every_micro_batch():
     """executor/train.py: ZeRO-2/3 at pp = 1 reduce-scatter each of the m micro-batches (sharded
-    gradients, m reduce-scatters); ZeRO-1, and any pipelined plan, hold full gradients and reduce once."""
+    gradients, m reduce-scatters); ZeRO-1, and any pipelined plan, hold full gradients and reduce once.
+    The m − 1 reductions before the last join the per-micro-batch pool (cost_collectives.dp_reduction_times:
+    (m − 1)/m of one per micro-batch); the step's tail keeps the last."""
     model, profile, z1 = _problem(dp=8, pp=1, zero=1, m=4)
     _, _, z2 = _problem(dp=8, pp=1, zero=2, m=4)
     block = model.layers[1].params
     assert z1.state[1] - z2.state[1] == pytest.approx(block * 4 * (1 - 1 / 8))  # fp32 gradients ÷ dp
-    reduce_scatter = sum(profile.collective_time("reduce_scatter", layer.params * 4, 8, "intra_node")  # fp32
-                         for layer in model.layers)
-    assert sum(z2.dp) - sum(z1.dp) == pytest.approx(3 * reduce_scatter)
+    reduce_scatter = [profile.collective_time("reduce_scatter", layer.params * 4, 8, "intra_node")  # fp32
+                      for layer in model.layers]
+    assert z2.dp == pytest.approx(z1.dp) and not any(z1.reduce)
+    assert z2.reduce == pytest.approx([3 / 4 * t for t in reduce_scatter])
     _, _, z2_pipelined = _problem(dp=4, pp=2, zero=2, m=4)
     _, _, z1_pipelined = _problem(dp=4, pp=2, zero=1, m=4)
     assert z2_pipelined.state == z1_pipelined.state and z2_pipelined.dp == z1_pipelined.dp
+    assert not any(z2_pipelined.reduce)
+
+
+def test_sharded_accumulation_reduces_every_micro_batch_under_pipelining():
+    """Roofline.sharded_accumulation (Llama 3's FSDP shards gradients, arXiv:2407.21783 §3.3.2): a pipelined
+    ZeRO-2 plan holds gradients ÷ dp and reduce-scatters each micro-batch's, pooled with the compute it
+    overlaps: a rank's micro-batch takes its compute plus max(pool − compute, 0) plus the overlap tax on
+    the hidden part (cost_model.evaluate), by hand."""
+    sharded = dict(sharded_accumulation=True)
+    model, profile, full = _problem(dp=4, pp=2, zero=2, m=4)
+    _, sprofile, P = _problem(software=sharded, dp=4, pp=2, zero=2, m=4)
+    block = model.layers[1].params
+    assert full.state[1] - P.state[1] == pytest.approx(block * 4 * (1 - 1 / 4))
+    rs = sprofile.collective_time("reduce_scatter", block * 4, 4, "intra_node")
+    assert P.reduce[1] == pytest.approx(3 / 4 * rs) and P.dp == pytest.approx(full.dp)
+    bounds = [0, 17, 34]
+    ev = evaluate(P, bounds, [0, 0])
+    tax = sprofile.roofline.comm_sms / sprofile.roofline.sm_count
+    for r, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        layers = range(lo, hi)
+        compute = sum(P.fwd[i] + P.bwd[i] for i in layers)
+        pool = sum(P.reduce[i] for i in layers)
+        exposed = max(pool - compute, 0.0)
+        own = sum(P.time[i] for i in layers) + P.boundary[r]
+        assert ev.stages[r].total == pytest.approx(own + exposed + tax * (pool - exposed))
 
 
 def test_gradient_moments_in_closed_form_equal_the_walk_of_torchs_orders():
