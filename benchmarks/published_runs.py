@@ -37,14 +37,17 @@ ROWS = Path(__file__).with_name("data") / "published_rows.json"
 DEFAULT_SOURCES = ("megatron_sc21", "korthikanti_2022", "llama3_herd_2024", "bloom_bigscience", "mt_nlg_2022")
 # How each source's software ran (facts about the runs, not fitted values): a named software of
 # profiler/software.py (its docstring has the sources), one with changes, or settings of its own.
-# - SC'21's artifact (examples/sc21/run_table_1.sh) runs Megatron-LM with DDP=local in fp16; Korthikanti et
-#   al. 2022 ran Megatron-LM with gradient accumulation fusion (83b1e42f30, 2022-02); BLOOM ran
+# - SC'21's artifact (examples/sc21/run_table_1.sh) runs Megatron-LM in fp16 with DDP=local from 39B up and
+#   DDP=torch (PyTorch's DDP, all-reducing bucket by bucket during the backward) below: the rows' `ddp_impl`;
+#   Korthikanti et al. 2022 ran Megatron-LM with gradient accumulation fusion (83b1e42f30, 2022-02); BLOOM ran
 #   Megatron-DeepSpeed with the BF16_Optimizer; Megatron-Core's 2024 table is Megatron-Core.
 # - MT-NLG ran Megatron-DeepSpeed on DeepSpeed's pipeline engine (megatron-deepspeed-2022) before the
 #   BF16_Optimizer: autograd adds each micro-batch into the 16-bit .grad (6 bytes), and the gradients are
 #   reduce-scattered, not all-reduced whole.
 # - Llama 3 (2024) ran flash attention and kept sequence-parallel activations as shards: it trained this
-#   layout at 8K without activation checkpointing (§3.3.2), which needs them; fp32 gradients (§3.3.4).
+#   layout at 8K without activation checkpointing (§3.3.2), which needs them; fp32 gradients (§3.3.4). Its
+#   FSDP "shards the optimizer states and gradients" (§3.3.2): each micro-batch's gradients are
+#   reduce-scattered as the pipeline produces them (`sharded_accumulation`).
 # - llm-foundry MPT under FSDP1: FlashAttention-1 (scripts/train/benchmarking at b2a43a147: sweep.sh passes
 #   no --attn_impl, submit_benchmarks.py defaults it to 'triton', LLM Foundry's Triton port of
 #   FlashAttention-1, and installs '.[gpu]', whose flash-attn is 1.0.9; FlashAttention-2 was the opt-in
@@ -94,8 +97,9 @@ def software(row: dict) -> dict:
     named = SOFTWARE.get(row["source_key"], {})
     dtype = "fp16" if row["layout"].get("dtype") == "fp16" else "bf16"
     base = software_settings(named, dtype) if isinstance(named, str) else named
+    torch_ddp = row["layout"].get("ddp_impl") == "torch"  # SC'21 below 39B: torch's DDP, overlapped buckets
     return (base | {"sequence_parallel": sp} | ({"grad_bytes": 2} if pure else {})
-            | ({"selective": selective} if selective else {}))
+            | ({"selective": selective} if selective else {}) | ({"grad_overlap": True} if torch_ddp else {}))
 
 
 def model_of(row: dict) -> ModelSpec:

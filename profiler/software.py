@@ -11,7 +11,8 @@ or papers, not fitted values:
   backward (Korthikanti et al. 2022 Eq. 5); torch's SequenceParallel (torchtitan, the executor) keeps the
   gathered input of the column-parallel Linears. Sequence parallelism came with Korthikanti et al. 2022.
 - gradient reduction: Megatron-LM's local DDP of 2021-22 all-reduces after the whole backward (SC'21's
-  artifact examples/sc21/run_table_1.sh runs DDP=local; --overlap-grad-reduce came in 2023), as does
+  artifact examples/sc21/run_table_1.sh runs DDP=local from 39B up, torch's overlapping DDP below it;
+  --overlap-grad-reduce came in 2023), as does
   DeepSpeed's pipeline engine after the last micro-batch (runtime/pipe/schedule.py TrainSchedule:
   ReduceGrads at the final step); its BF16_Optimizer all-reduces the whole fp32 gradients before stepping
   its shard (runtime/pipe/engine.py _bf16_reduce_grads).
