@@ -1,0 +1,36 @@
+"""benchmarks/published_runs.py: each row is charged the software its source documents."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import published_runs  # noqa: E402
+
+ROWS = json.loads((BENCH / "data" / "published_rows.json").read_text())["rows"]
+
+
+def test_sc21_rows_reduce_as_their_script_ran():
+    """SC'21's artifact (examples/sc21/run_table_1.sh) runs DDP=torch below 39B and DDP=local from 39B up:
+    torch's DDP all-reduces bucket by bucket during the backward, Megatron's local DDP after it."""
+    sc21 = [r for r in ROWS if r["source_key"] == "megatron_sc21"]
+    assert len(sc21) == 10
+    for row in sc21:
+        ddp = re.search(r"DDP=(\w+)", row["quote"]).group(1)
+        assert row["layout"]["ddp_impl"] == ddp
+        settings = published_runs.software(row)
+        assert settings.get("grad_overlap", True) is (ddp == "torch"), row["id"]
+    assert sum(r["layout"]["ddp_impl"] == "torch" for r in sc21) == 4
+
+
+def test_llama3_rows_keep_gradients_sharded():
+    """Llama 3's FSDP shards gradients (arXiv:2407.21783 §3.3.2): every micro-batch's are reduce-scattered."""
+    for row in (r for r in ROWS if r["source_key"] == "llama3_herd_2024"):
+        assert published_runs.software(row)["sharded_accumulation"] is True
+    other = next(r for r in ROWS if r["source_key"] == "korthikanti_2022")
+    assert not published_runs.software(other).get("sharded_accumulation", False)
