@@ -179,9 +179,16 @@ FLASH1_PRESETS = {"a100-40gb": FA1_A100, "a100-80gb": FA1_A100, "h100-80gb": FA1
 #   (xla/service/gpu/model/matmul_interpolator_data.h @71feeddf, bf16, M = N = 4096, median kernel time):
 #   685.2 TFLOP/s at K = 1024 and 780.2 at K = 4096, so K0 = 1024·4096·(1 − r)/(4096·r − 1024) with
 #   r = 685.2/780.2: 198 (an H800 SXM sweep at M = N = 8192, tile-ai/tilelang benchmark/matmul, gives 249).
-#   MAMF was measured at 2048x2048x13312 (ml-engineering), K_ref 13312. A100: no K sweep is published (0).
+#   MAMF was measured at 2048x2048x13312 (ml-engineering), K_ref 13312. A100: no K sweep is published;
+#   K0 derived from H100's, a derived value: clock for clock an H100 SM runs twice the A100 SM's matrix
+#   rate (H100 whitepaper; 1,024 dense FP16 FMA per SM per clock on A100), so a K step of a tile takes
+#   twice the cycles, while the fixed part (writing the 256x128 output tile) moves the same bytes at
+#   about the same HBM bytes per SM clock (A100 80GB 2.039 TB/s / 108 / 1.41 GHz = 13.4, H100 3.35 /
+#   132 / 1.83 = 13.9): K0 = 198 / 2. Its MAMF shape is not published: H100's K is taken (the
+#   normalisation is 1.007 there). Cross-check in docs/sources/hardware_constants_2.md §6.5.
 #   B200 has one (XLA sm_100) but its MAMF shape is not published with it: not modelled.
 H100_GEMM_K0, H100_MAMF_K = 198.0, 13312.0
+A100_GEMM_K0_DERIVED = H100_GEMM_K0 / 2
 LAUNCH_S = 3.5e-6
 CUDA_CONTEXT_BYTES = 400e6
 NCCL_COMMUNICATOR_BYTES = 688e6
@@ -200,8 +207,10 @@ def _gpu(name: str, mem: int, peak: dict[str, float], hbm: float, mamf: float, s
 _A100 = {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12}
 _H100 = {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12}
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
-    "a100-40gb": _gpu("a100-40gb", 40960 * MiB, _A100, 1.555e12, 271.2 / 312, 108, FA2_A100, 1.377 / 1.555),
-    "a100-80gb": _gpu("a100-80gb", 81920 * MiB, _A100, 2.039e12, 271.2 / 312, 108, FA2_A100, 1.725 / 2.039),
+    "a100-40gb": _gpu("a100-40gb", 40960 * MiB, _A100, 1.555e12, 271.2 / 312, 108, FA2_A100, 1.377 / 1.555,
+                      A100_GEMM_K0_DERIVED, H100_MAMF_K),
+    "a100-80gb": _gpu("a100-80gb", 81920 * MiB, _A100, 2.039e12, 271.2 / 312, 108, FA2_A100, 1.725 / 2.039,
+                      A100_GEMM_K0_DERIVED, H100_MAMF_K),
     "h100-80gb": _gpu("h100-80gb", 81559 * MiB, _H100, 3.35e12, 794.5 / 989, 132, FA2_H100, 2.97 / 3.35,
                       H100_GEMM_K0, H100_MAMF_K),
     "h200-141gb": _gpu("h200-141gb", 143771 * MiB, _H100, 4.8e12, 794.5 / 989, 132, FA2_H100, 4.18 / 4.8,

@@ -3,9 +3,9 @@ figures (docs/sources/hardware_constants.md):
 
 - GEMMs by shape (M, N, K): the largest-GEMM ceiling measured on the device (MAMF) times cuBLAS's tile
   and wave quantisation (NVIDIA Matrix Multiplication Background guide §3.1-3.2: 256x128 output tiles,
-  the most efficient cuBLAS tile, §2.3; one wave = one tile per SM) and, where a K sweep is published,
-  the share of a tile's time its K loop takes (K/(K + K0)), bounded below by the bytes moved over HBM
-  (roofline). Backward = the two GEMMs of dX and dW.
+  the most efficient cuBLAS tile, §2.3; one wave = one tile per SM) and, where a K sweep is published
+  (H100; A100's derived from it), the share of a tile's time its K loop takes (K/(K + K0)), bounded below
+  by the bytes moved over HBM (roofline). Backward = the two GEMMs of dX and dW.
 - Causal attention, fused (flash): FLOPs of the causal core (flash-attention's own count: half of
   4·b·s²·heads·head_dim forward, 2.5x that backward) at flash-attention-2's measured fwd+bwd rate for
   the device, sequence length and head size. Unfused (Megatron-LM before flash attention, with dropout
