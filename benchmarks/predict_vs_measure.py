@@ -273,8 +273,9 @@ def main(argv: list[str] | None = None) -> int:
         # planner interpolates the measured times rather than extrapolating them
         sizes = [str(2 ** i) for i in range(args.global_batch_size.bit_length()) if 2 ** i <= args.global_batch_size]
         console.print(f"profiling {args.model} on {args.cluster} (micro-batch sizes {' '.join(sizes)}) ...")
+        # --force: this run's machine, not a cached profile measured in other minutes (or beside other work)
         run(plan_cmd + ["profile", args.model, "--cluster", args.cluster, "-o", profile, "--dtype", args.dtype,
-                        "--seq-len", str(args.seq_len), "--micro-batch-sizes", *sizes])
+                        "--seq-len", str(args.seq_len), "--micro-batch-sizes", *sizes, "--force"])
     probe = None
     if args.probe:
         with open(profile) as fh:
