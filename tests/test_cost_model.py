@@ -504,3 +504,27 @@ def test_gradient_moments_in_closed_form_equal_the_walk_of_torchs_orders():
                         continue
                     walks = _walks(schedule, pp, v, m)
                     assert [_looped_moments(schedule, pp, v, m, r) for r in range(pp)] == walks, (schedule, pp, v, m)
+
+
+def test_pooled_reductions_are_reported_under_dp():
+    """planner/exposed.py: ZeRO-3 at pp = 1 with m = 4 pools each micro-batch's parameter gathers with the
+    reductions before the last; what compute cannot hide of the pool (plus the overlap tax on the rest) is
+    split between `fsdp_gather` and `dp` in proportion to their traffic, and the last reduction's exposed
+    part (the step's tail) is `dp` too."""
+    from meshplan.planner.cost_model import Terms
+    from meshplan.planner.exposed import exposed_communication
+
+    model = builtin_model("llama3-8b")
+    profile = preset_profile(model, parse_cluster("8xa100-80gb"))
+    cand = Candidate(dp=8, tp=1, pp=1, v=1, schedule="1f1b", b=1, m=4, zero=3, recompute="none")
+    links = Links("intra_node", "intra_node", "intra_node")
+    terms = Terms(model, profile, 2048, "bf16")
+    P = build_problem(model, profile, cand, 2048, "bf16", links, math.inf, [True] * len(model.layers), terms)
+    bounds = [0, len(model.layers)]
+    ev = evaluate(P, bounds, [0])
+    out = exposed_communication(cand, P, ev, bounds, [0], terms)
+    gathers, reduces = sum(P.gather), sum(P.reduce)
+    assert gathers > 0 and reduces > 0
+    pooled = ev.stages[0].communication  # no TP, no pipeline: all of it is the pool's
+    assert out["fsdp_gather"] == pytest.approx(4 * pooled * gathers / (gathers + reduces))
+    assert out["dp"] == pytest.approx(ev.stages[0].dp_sync + 4 * pooled * reduces / (gathers + reduces))
