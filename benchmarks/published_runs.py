@@ -55,7 +55,8 @@ DEFAULT_SOURCES = ("megatron_sc21", "korthikanti_2022", "llama3_herd_2024", "blo
 #   post-backward stream, beside the compute (torch/distributed/fsdp/_runtime_utils.py _post_backward_hook,
 #   _reduce_grad): no copies charged. Its PURE mixed precision reduces in bf16 (`software`). Its default loss
 #   is fused ('fused_crossentropy': flash-attn's CrossEntropyLoss, llmfoundry/models/mpt/modeling_mpt.py).
-# - torchtitan: its rows say which selective AC policy they ran (`selective_ac`).
+# - torchtitan: its rows say which selective AC policy they ran (`selective_ac`) and which RMSNorm their
+#   config chose (`norm_type`: "fused_rmsnorm", Triton; "rmsnorm", eager in fp32).
 _NO_COPIES = dict(fsdp_copies=False)
 SOFTWARE: dict[str, str | dict] = {
     "megatron_sc21": "megatron-2021",
@@ -98,8 +99,10 @@ def software(row: dict) -> dict:
     dtype = "fp16" if row["layout"].get("dtype") == "fp16" else "bf16"
     base = software_settings(named, dtype) if isinstance(named, str) else named
     torch_ddp = row["layout"].get("ddp_impl") == "torch"  # SC'21 below 39B: torch's DDP, overlapped buckets
+    eager_norm = row["layout"].get("norm_type") == "rmsnorm"  # torchtitan's eager RMSNorm (profiler/roofline.NORM)
     return (base | {"sequence_parallel": sp} | ({"grad_bytes": 2} if pure else {})
-            | ({"selective": selective} if selective else {}) | ({"grad_overlap": True} if torch_ddp else {}))
+            | ({"selective": selective} if selective else {}) | ({"grad_overlap": True} if torch_ddp else {})
+            | ({"norm": "eager-fp32"} if eager_norm else {}))
 
 
 def model_of(row: dict) -> ModelSpec:

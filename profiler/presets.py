@@ -23,7 +23,7 @@ def device_roofline(cluster: ClusterSpec, dtype: str, attention: str = "flash", 
                     grad_overlap: bool = True, sequence_parallel: bool = True, grad_bytes: int = 4,
                     grad_reduce: str = "reduce_scatter", grad_accum_bytes: float = 0.0,
                     selective: str = "attention", fsdp_copies: bool = True, loss: str = "fp32",
-                    p2p: str = "overlapped", sharded_accumulation: bool = False,
+                    p2p: str = "overlapped", sharded_accumulation: bool = False, norm: str = "fused",
                     software: str = "meshplan") -> Roofline | None:
     """The per-operation model of a GPU preset (None for a CPU or a device without SM count); the
     software settings default to the executor's (profiler/roofline.py). attention "flash1": software that
@@ -45,7 +45,7 @@ def device_roofline(cluster: ClusterSpec, dtype: str, attention: str = "flash", 
                     grad_bytes=grad_bytes, grad_reduce=grad_reduce, gemm_k0=d.gemm_k0, gemm_k_ref=d.gemm_k_ref,
                     grad_accum_bytes=grad_accum_bytes, selective=selective,
                     fsdp_copies=fsdp_copies, loss=loss, p2p=p2p,
-                    sharded_accumulation=sharded_accumulation, software=software)
+                    sharded_accumulation=sharded_accumulation, norm=norm, software=software)
 
 
 def preset_profile(model: ModelSpec, cluster: ClusterSpec, dtype: str = "bf16", **software) -> Profile:

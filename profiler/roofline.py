@@ -61,6 +61,19 @@ LOSS = ("fp32", "fused", "megatron")
 # input gradient whole from every tensor-parallel rank, in separate blocking calls: the stage waits out
 # both transfers with each neighbour, b·s·h values each.
 P2P = ("overlapped", "blocking")
+# The norms' kernels. "fused": one kernel reads the input and writes the output (Apex / Transformer Engine
+# LayerNorm, Triton RMSNorm, torch's native layer_norm). "eager-fp32": RMSNorm as separate eager ops on an
+# fp32 copy, as torchtitan's "rmsnorm" (torchtitan/models/norms.py: self._norm(x.float()).type_as(x) *
+# weight, _norm = x * rsqrt(x.pow(2).mean(-1) + eps)) and Hugging Face's LlamaRMSNorm write it: the cast
+# (read B, write 4), pow (read 4, write 4), mean (read 4), the product with rsqrt (read 4, write 4), the
+# cast back (read 4, write B), the weight (read B, write B): 28 + 4B bytes per element. (The fp32 tensors
+# it saves for backward are not in the activation count.)
+NORM = ("fused", "eager-fp32")
+
+
+def norm_bytes(norm: str, B: int) -> float:
+    """Bytes a norm's forward moves over HBM per element (NORM)."""
+    return 28.0 + 4 * B if norm == "eager-fp32" else 2.0 * B
 
 
 def loss_bytes(loss: str, B: int) -> tuple[float, float]:
@@ -129,6 +142,7 @@ class Roofline:
     # §3.3.2). False: full gradients are accumulated and reduced after the last micro-batch, as
     # torch.distributed.pipelining (the executor, torchtitan) and Megatron's distributed optimizer do.
     sharded_accumulation: bool = False
+    norm: str = "fused"  # NORM
     software: str = "meshplan"  # the name these settings were made from (profiler/software.py), for reports
 
     def to_dict(self) -> dict:
@@ -157,7 +171,8 @@ class Roofline:
                    f.str("selective", choices=SELECTIVE, default="attention"),
                    f.bool("fsdp_copies", default=True), f.str("loss", choices=LOSS, default="fp32"),
                    f.str("p2p", choices=P2P, default="overlapped"),
-                   f.bool("sharded_accumulation", default=False), f.str("software", default="meshplan"))
+                   f.bool("sharded_accumulation", default=False), f.str("norm", choices=NORM, default="fused"),
+                   f.str("software", default="meshplan"))
 
     # ---- primitives ----
 
@@ -231,7 +246,7 @@ class Roofline:
         h, f = spec.hidden_size, spec.ffn_hidden_size / tp
         q, kv = spec.num_heads * spec.head_dim / tp, spec.num_kv_heads * spec.head_dim / tp
         sp = tp if sequence_parallel else 1
-        ops = [2 * h * B / sp, 2 * h * B / sp]  # two norms: read, write
+        ops = [norm_bytes(self.norm, B) * h / sp] * 2  # two norms
         if self.attention == "unfused":  # Megatron: bias-dropout-add (2 reads, 1 write, a 1-byte mask), twice
             ops += [(3 * h * B + h) / sp] * 2
         else:  # residual adds
@@ -267,7 +282,7 @@ class Roofline:
             V = vocab_shard(spec, tp)
             a, g = self.gemm_fwd_bwd(T, V, h)
             g += self.accumulate(V * h)
-            norm = self.bytes_time(T * 2 * h * B / (tp if sp else 1))
+            norm = self.bytes_time(T * norm_bytes(self.norm, B) * h / (tp if sp else 1))
             fwd, bwd = loss_bytes(self.loss, B)
             return a + norm + self.bytes_time(T * V * fwd), g + 2 * norm + self.bytes_time(T * V * bwd)
         if kind == "embedding":

@@ -34,3 +34,11 @@ def test_llama3_rows_keep_gradients_sharded():
         assert published_runs.software(row)["sharded_accumulation"] is True
     other = next(r for r in ROWS if r["source_key"] == "korthikanti_2022")
     assert not published_runs.software(other).get("sharded_accumulation", False)
+
+
+def test_torchtitan_rows_get_the_norm_their_config_chose():
+    """torchtitan's llama3_8b.toml at 1ea476e9f chose the Triton "fused_rmsnorm", llama3_70b.toml the eager
+    "rmsnorm" (fp32 upcast): the 70B row is charged the eager norm's bytes."""
+    rows = {r["id"]: r for r in ROWS}
+    assert published_runs.software(rows["torchtitan_a100_70b_full_64gpu"])["norm"] == "eager-fp32"
+    assert "norm" not in published_runs.software(rows["torchtitan_a100_8b_sac_op_64gpu"])

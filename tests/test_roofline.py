@@ -57,6 +57,21 @@ def test_small_k_gemms_bound_by_bytes_or_the_tile_fixed_cost():
         assert (bytes_time > compute) == (bound == "bytes")
 
 
+def test_eager_fp32_rmsnorm_moves_its_ops_bytes():
+    """profiler/roofline.NORM: torchtitan's eager RMSNorm on an fp32 copy moves (2 + 4) + 8 + 4 + 8 + (4 + 2)
+    + 4 = 36 bytes per element in bf16 against a fused norm's 4; a block has two norms, so its forward's
+    memory-bound time grows by 2 x 32 bytes x h per token (llama3-8b, b = 1, s = 2048, one GPU)."""
+    from dataclasses import replace
+
+    from meshplan.profiler.roofline import norm_bytes
+
+    assert norm_bytes("eager-fp32", 2) == 36 and norm_bytes("fused", 2) == 4
+    model = builtin_model("llama3-8b")
+    eager = replace(A100, norm="eager-fp32")
+    extra = eager.elementwise(model, 1, 2048, 1, False) - A100.elementwise(model, 1, 2048, 1, False)
+    assert extra == pytest.approx(2 * 2048 * 32 * model.hidden_size / 1.725e12)
+
+
 def test_flash_attention_rate_and_time():
     """Causal, head_dim 128: FA2 on A100 runs 155 TFLOP/s at 2k and 173 at 4k (fwd+bwd); at 3000 tokens
     the log2 interpolation gives 155 + 18·log2(3000/2048). One layer of 32 heads, b = 1, s = 2048:
