@@ -152,10 +152,10 @@ def _rank_rows(prob: pulp.LpProblem, P: StageProblem, rank_expr, min_memory: boo
     tail = prob.add_variable("tail", lowBound=0)
     excess = prob.add_variable("excess", lowBound=0) if min_memory else None
     zero3 = any(g > 0 for g in P.gather) or any(x > 0 for x in P.reduce)
+    tax = P.overlap_tax  # hidden traffic slows the compute it overlaps: exposed + tax · (traffic − exposed)
     for r in range(P.pp):
         pc = rank_expr(r)
         time = pc["time"]
-        tax = P.overlap_tax  # hidden traffic slows the compute it overlaps: exposed + tax · (traffic − exposed)
         if zero3:  # gathers and reductions not hidden behind the rank's compute (cost_model.evaluate)
             z = prob.add_variable(f"z3_{r}", lowBound=0)
             pooled = pc["gather"] + pc["reduce"]

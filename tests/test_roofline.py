@@ -264,7 +264,8 @@ def test_bad_gemm_and_gradient_fields_are_one_line_errors():
     with pytest.raises(InputError, match=r"^r\.grad_bytes: expected"):
         Roofline.from_dict({**data, "grad_bytes": 0}, "r")
     assert Roofline.from_dict({**data, "grad_bytes": 2}, "r").grad_bytes == 2
-    for key, bad in (("selective", "layer"), ("loss", "fp16"), ("fsdp_copies", "yes"), ("p2p", "async")):
+    for key, bad in (("selective", "layer"), ("loss", "fp16"), ("fsdp_copies", "yes"), ("p2p", "async"),
+                     ("sharded_accumulation", "yes"), ("norm", "eager")):
         with pytest.raises(InputError, match=rf"^r\.{key}: expected"):
             Roofline.from_dict({**data, key: bad}, "r")
 
