@@ -15,6 +15,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from meshplan.executor.activation import activation
 from meshplan.executor.moe import MoE
 from meshplan.planner.model_spec import ModelSpec, is_sparse_block
 from torch.utils.checkpoint import checkpoint
@@ -26,11 +27,15 @@ def _norm(spec: ModelSpec) -> nn.Module:
     return nn.RMSNorm(spec.hidden_size, eps=spec.norm_eps)
 
 
-def rotary(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None) -> torch.Tensor:
+def rotary(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None,
+           dim: int | None = None) -> torch.Tensor:
     """Rotary position embedding on x [b, s, heads, head_dim], computed on the fly (no buffers, so
     meta-device construction and any sharding need no special handling). `positions`: the global
-    positions of x's s tokens (context parallelism holds a chunk of the sequence); default 0..s-1."""
+    positions of x's s tokens (context parallelism holds a chunk of the sequence); default 0..s-1.
+    `dim`: rotate only each head's first `dim` dimensions (GPT-NeoX's rotary_pct); default all."""
     _, s, _, d = x.shape
+    if dim is not None and dim < d:
+        return torch.cat((rotary(x[..., :dim], theta, positions), x[..., dim:]), dim=-1)
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
     pos = torch.arange(s, device=x.device) if positions is None else positions.to(x.device)
     angles = torch.outer(pos.to(torch.float32), inv)  # [s, d/2]
@@ -55,6 +60,7 @@ class Attention(nn.Module):
         q_dim, kv_dim = spec.num_heads * hd, spec.num_kv_heads * hd
         qkv_bias = spec.linear_bias or spec.qkv_bias
         self.head_dim = hd
+        self.rotary_dim = spec.rotary_dim
         self.rope_theta = spec.rope_theta if spec.position == "rope" else None
         self.wq = nn.Linear(h, q_dim, bias=qkv_bias)
         self.wk = nn.Linear(h, kv_dim, bias=qkv_bias)
@@ -72,7 +78,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:
-            q, k = rotary(q, self.rope_theta, self.positions), rotary(k, self.rope_theta, self.positions)
+            q = rotary(q, self.rope_theta, self.positions, self.rotary_dim)
+            k = rotary(k, self.rope_theta, self.positions, self.rotary_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         core = partial(F.scaled_dot_product_attention, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
         if self.recompute_core and torch.is_grad_enabled():
@@ -85,28 +92,32 @@ class MLP(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         h, f = spec.hidden_size, spec.ffn_hidden_size
-        self.swiglu = spec.mlp == "swiglu"
+        self.act = activation(spec)
         self.w1 = nn.Linear(h, f, bias=spec.linear_bias)
         self.w2 = nn.Linear(f, h, bias=spec.linear_bias)
-        self.w3 = nn.Linear(h, f, bias=spec.linear_bias) if self.swiglu else None
+        self.w3 = nn.Linear(h, f, bias=spec.linear_bias) if spec.mlp == "swiglu" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is not None:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+            return self.w2(self.act(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)))
 
 
 class Block(nn.Module):
-    """Attention + feed-forward; block `index` of a MoE model is sparse per ModelSpec.moe (executor/moe.py)."""
+    """Attention + feed-forward; block `index` of a MoE model is sparse per ModelSpec.moe (executor/moe.py).
+    With `parallel_residual` both read the block input (GPT-NeoX, Falcon), else the MLP reads x + attention."""
 
     def __init__(self, spec: ModelSpec, index: int = 0):
         super().__init__()
+        self.parallel_residual = spec.parallel_residual
         self.attention_norm = _norm(spec)
         self.attention = Attention(spec)
         self.ffn_norm = _norm(spec)
         self.feed_forward = MoE(spec) if is_sparse_block(spec, index) else MLP(spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel_residual:
+            return x + self.attention(self.attention_norm(x)) + self.feed_forward(self.ffn_norm(x))
         x = x + self.attention(self.attention_norm(x))
         return x + self.feed_forward(self.ffn_norm(x))
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
+from meshplan.executor.activation import activation
 from meshplan.planner.model_spec import ModelSpec
 from torch.distributed.tensor import DTensor, Partial
 
@@ -114,6 +115,7 @@ class GroupedExperts(nn.Module):
         e, h, f = spec.moe.num_experts, spec.hidden_size, spec.moe.expert_ffn_hidden_size
         self.num_experts = e
         self.swiglu = spec.mlp == "swiglu"
+        self.act = activation(spec)
         self.w1 = nn.Parameter(torch.empty(e, f, h))
         self.w2 = nn.Parameter(torch.empty(e, h, f))
         self.w3 = nn.Parameter(torch.empty(e, f, h)) if self.swiglu else None
@@ -131,10 +133,9 @@ class GroupedExperts(nn.Module):
         w3 = _local(self.w3, self.tokens_split) if self.w3 is not None else None
         outs = []
         for e, rows in enumerate(torch.split(x, counts)):
+            hidden = self.act(rows @ w1[e].t())
             if w3 is not None:
-                hidden = F.silu(rows @ w1[e].t()) * (rows @ w3[e].t())
-            else:
-                hidden = F.gelu(rows @ w1[e].t(), approximate="tanh")
+                hidden = hidden * (rows @ w3[e].t())
             outs.append(hidden @ w2[e].t())
         return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
 
@@ -148,6 +149,7 @@ class SharedExperts(nn.Module):
         self.w1 = nn.Linear(h, ffn, bias=False)
         self.w2 = nn.Linear(ffn, h, bias=False)
         self.w3 = nn.Linear(h, ffn, bias=False) if spec.mlp == "swiglu" else None
+        self.act = activation(spec)
         self.tokens_split = False  # replicated over TP ranks that see different tokens (_local)
 
     def _linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -155,9 +157,8 @@ class SharedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lin = self._linear
-        if self.w3 is not None:
-            return lin(self.w2, F.silu(lin(self.w1, x)) * lin(self.w3, x))
-        return lin(self.w2, F.gelu(lin(self.w1, x), approximate="tanh"))
+        hidden = self.act(lin(self.w1, x))
+        return lin(self.w2, hidden * lin(self.w3, x) if self.w3 is not None else hidden)
 
 
 class MoE(nn.Module):

@@ -65,9 +65,8 @@ def to_megatron(plan: Plan, warnings: list[str] | None = None) -> str:
     ]
     if m.num_kv_heads != m.num_heads:
         args += [("--group-query-attention", None), ("--num-query-groups", m.num_kv_heads)]
-    if m.arch == "llama":
-        args += [("--swiglu", None), ("--normalization", "RMSNorm"), ("--position-embedding-type", "rope"),
-                 ("--disable-bias-linear", None)]
+    if m.arch != "custom":
+        args += _megatron_block(m, warn)
     if not m.tied_embeddings:
         args.append(("--untie-embeddings-and-output-weights", None))
     args += _megatron_pipeline(plan, warn)
@@ -95,6 +94,29 @@ def to_megatron(plan: Plan, warnings: list[str] | None = None) -> str:
     body = [f"{flag} {value}" if value is not None else flag for flag, value in args]
     lines += [line + " \\" for line in body[:-1]] + body[-1:]
     return "\n".join(lines) + "\n"
+
+
+def _megatron_block(m, warn: Callable[[str], None]) -> list[tuple[str, object | None]]:
+    """The block's parts as Megatron-LM flags (its defaults: GELU, LayerNorm, learned positions, biases)."""
+    args: list[tuple[str, object | None]] = []
+    if m.mlp == "swiglu":
+        args.append(("--swiglu", None))
+    elif m.mlp == "relu":
+        warn("ReLU MLP: Megatron-LM's GPT offers GELU, SwiGLU and squared ReLU; exported with its default GELU")
+    if m.norm == "rmsnorm":
+        args.append(("--normalization", "RMSNorm"))
+    if m.position == "rope":
+        args.append(("--position-embedding-type", "rope"))
+        if m.rotary_dim < m.head_dim:
+            args.append(("--rotary-percent", m.rotary_dim / m.head_dim))
+    if not m.linear_bias:
+        args.append(("--disable-bias-linear", None))
+        if m.qkv_bias:
+            args.append(("--add-qkv-bias", None))
+    if m.parallel_residual:
+        warn("parallel residual (attention and MLP side by side): Megatron-LM's GPT block is sequential; "
+             "exported as sequential")
+    return args
 
 
 def _megatron_pipeline(plan: Plan, warn: Callable[[str], None]) -> list[tuple[str, object | None]]:

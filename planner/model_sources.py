@@ -100,8 +100,8 @@ def hf_model_name(path: str) -> str:
 
 
 def from_hf_config(path: str) -> ModelSpec:
-    """Read a Hugging Face config.json (gpt2, llama, mistral, qwen2; MoE: mixtral, qwen2_moe, qwen3_moe) as
-    plain JSON: no download."""
+    """Read a Hugging Face config.json (gpt2, llama, mistral, qwen2, gpt_neox, opt, falcon, starcoder2, phi3;
+    MoE: mixtral, qwen2_moe, qwen3_moe) as plain JSON: no download."""
     cfg = read_json(path, "MODEL")
     if not isinstance(cfg, dict):
         raise InputError(f"{path}: expected a JSON object")
@@ -121,15 +121,144 @@ def from_hf_config(path: str) -> ModelSpec:
     if model_type in ("llama", "mistral", "qwen2"):
         return _llama_spec(cfg, path, name, max_seq_len=2048, qkv_bias=model_type == "qwen2", norm_eps=1e-5,
                            rope_theta=10000.0)
+    if model_type in DENSE_READERS:
+        return DENSE_READERS[model_type](cfg, path, name)
+    if model_type in UNREADABLE_DENSE_TYPES:
+        raise InputError(f"{path}: model_type {model_type!r} is not supported yet: "
+                         f"{UNREADABLE_DENSE_TYPES[model_type]}")
     if model_type in MOE_MODEL_TYPES:
         return _moe_from_hf(cfg, path, name, model_type)
     if model_type in UNREADABLE_MOE_TYPES:
         raise InputError(f"{path}: model_type {model_type!r} is not supported yet: "
                          f"{UNREADABLE_MOE_TYPES[model_type]}")
-    raise InputError(
-        f"{path}: field 'model_type': expected one of gpt2, llama, mistral, qwen2, {', '.join(MOE_MODEL_TYPES)}, "
-        f"got {model_type!r}"
+    known = ["gpt2", "llama", "mistral", "qwen2", *DENSE_READERS, *MOE_MODEL_TYPES]
+    raise InputError(f"{path}: field 'model_type': expected one of {', '.join(known)}, got {model_type!r}")
+
+
+# Field names and defaults below are transformers' (configuration_<type>.py, v4.57 and v5); where v5 moved
+# rope settings into `rope_parameters`, both spellings are read.
+def _rope(cfg: dict, theta_keys: tuple[str, ...], factor_keys: tuple[str, ...], factor: float) -> tuple[float, float]:
+    """(rope theta, share of each head rotated), from the flat v4 fields or v5's rope_parameters."""
+    nested = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    theta = next((cfg[k] for k in theta_keys if cfg.get(k) is not None), nested.get("rope_theta", 10000.0))
+    share = next((cfg[k] for k in factor_keys if cfg.get(k) is not None), nested.get("partial_rotary_factor", factor))
+    return float(theta), float(share)
+
+
+def _rotary_dim(path: str, head_dim: int, share: float) -> int:
+    dim = int(head_dim * share)  # transformers: int(head_size * rotary_pct)
+    if dim <= 0 or dim % 2:
+        raise InputError(f"{path}: the rotary share {share} of head_dim {head_dim} gives {dim} dimensions; "
+                         f"expected a positive even number")
+    return dim
+
+
+def _sizes(cfg: dict, path: str, name: str, h: int, heads: int) -> dict[str, Any]:
+    """The ModelSpec fields every reader takes the same way, with the LayerNorm/biases block of GPT-2's line
+    (the readers below change what differs)."""
+    return dict(name=name, arch="gpt2", norm="layernorm", mlp="gelu", position="rope", vocab_size=_cfg_int(
+        cfg, path, "vocab_size"), hidden_size=h, num_layers=_cfg_int(cfg, path, "num_hidden_layers"), num_heads=heads)
+
+
+def _expect(cfg: dict, path: str, key: str, want: Any, default: Any, why: str) -> None:
+    if cfg.get(key, default) != want:
+        raise InputError(f"{path}: field '{key}': expected {want!r} ({why}), got {cfg.get(key, default)!r}")
+
+
+def _gpt_neox(cfg: dict, path: str, name: str) -> ModelSpec:
+    """GPT-NeoX (Pythia, GPT-NeoX-20B): LayerNorm, GELU MLP of intermediate_size, biases, untied head, a
+    parallel residual by default (use_parallel_residual), rotary over rotary_pct (0.25) of each head."""
+    h, heads = _cfg_int(cfg, path, "hidden_size"), _cfg_int(cfg, path, "num_attention_heads")
+    theta, share = _rope(cfg, ("rotary_emb_base", "rope_theta"), ("rotary_pct", "partial_rotary_factor"), 0.25)
+    bias = bool(cfg.get("attention_bias", True))
+    return ModelSpec(
+        **_sizes(cfg, path, name, h, heads), linear_bias=bias, num_kv_heads=heads,
+        ffn_hidden_size=_cfg_int(cfg, path, "intermediate_size"),
+        max_seq_len=_cfg_int(cfg, path, "max_position_embeddings", default=2048),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), norm_eps=float(cfg.get("layer_norm_eps", 1e-5)),
+        rope_theta=theta, rotary_dim=_rotary_dim(path, h // heads, share),
+        parallel_residual=bool(cfg.get("use_parallel_residual", True)),
     )
+
+
+def _opt(cfg: dict, path: str, name: str) -> ModelSpec:
+    """OPT: pre-norm LayerNorm blocks, ReLU MLP of ffn_dim, biases, learned positions, tied head. Its position
+    table has 2 spare rows (offset 2), 2·h parameters not counted here."""
+    _expect(cfg, path, "do_layer_norm_before", True, True, "post-norm OPT-350m is not modelled")
+    h = _cfg_int(cfg, path, "hidden_size")
+    if cfg.get("word_embed_proj_dim") not in (None, h):
+        raise InputError(f"{path}: field 'word_embed_proj_dim': expected hidden_size {h} (the projections of "
+                         f"OPT-350m are not modelled), got {cfg['word_embed_proj_dim']!r}")
+    _expect(cfg, path, "activation_function", "relu", "relu", "a ReLU MLP")
+    heads = _cfg_int(cfg, path, "num_attention_heads")
+    return ModelSpec(
+        **{**_sizes(cfg, path, name, h, heads), "mlp": "relu", "position": "learned"},
+        linear_bias=bool(cfg.get("enable_bias", True)), num_kv_heads=heads,
+        ffn_hidden_size=_cfg_int(cfg, path, "ffn_dim"),
+        max_seq_len=_cfg_int(cfg, path, "max_position_embeddings", default=2048),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+    )
+
+
+def _falcon(cfg: dict, path: str, name: str) -> ModelSpec:
+    """Falcon with new_decoder_architecture (40B, 180B): attention and MLP in parallel, each behind its own
+    LayerNorm (ln_attn, ln_mlp), num_kv_heads grouped k/v heads, rotary, GELU MLP of ffn_hidden_size (4h),
+    no biases by default, tied head."""
+    _expect(cfg, path, "alibi", False, False, "ALiBi is not modelled")
+    new = bool(cfg.get("new_decoder_architecture", False))
+    parallel = bool(cfg.get("parallel_attn", True))
+    norms = cfg.get("num_ln_in_parallel_attn") or (2 if new else 1)
+    if parallel and norms != 2:
+        raise InputError(f"{path}: field 'new_decoder_architecture': a parallel block with one LayerNorm shared by "
+                         f"attention and MLP (Falcon-7B) is not modelled; expected true")
+    h, heads = _cfg_int(cfg, path, "hidden_size", "n_embed"), _cfg_int(cfg, path, "num_attention_heads")
+    kv = _cfg_int(cfg, path, "num_kv_heads", default=heads) if new or not cfg.get("multi_query", True) else 1
+    theta, _ = _rope(cfg, ("rope_theta",), (), 1.0)
+    return ModelSpec(
+        **_sizes(cfg, path, name, h, heads), linear_bias=bool(cfg.get("bias", False)), num_kv_heads=kv,
+        ffn_hidden_size=_cfg_int(cfg, path, "ffn_hidden_size", default=4 * h),
+        max_seq_len=_cfg_int(cfg, path, "max_position_embeddings", default=2048),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)), rope_theta=theta, parallel_residual=parallel,
+    )
+
+
+def _starcoder2(cfg: dict, path: str, name: str) -> ModelSpec:
+    """StarCoder2: LayerNorm, GELU (tanh) MLP of intermediate_size, grouped k/v heads, rotary, biases
+    (use_bias), tied head. A sliding window, if any, is not modelled (full causal attention is charged)."""
+    h, heads = _cfg_int(cfg, path, "hidden_size"), _cfg_int(cfg, path, "num_attention_heads")
+    theta, _ = _rope(cfg, ("rope_theta",), (), 1.0)
+    return ModelSpec(
+        **_sizes(cfg, path, name, h, heads), linear_bias=bool(cfg.get("use_bias", True)),
+        num_kv_heads=_cfg_int(cfg, path, "num_key_value_heads", default=2),
+        head_dim=_cfg_int(cfg, path, "head_dim", default=h // heads),
+        ffn_hidden_size=_cfg_int(cfg, path, "intermediate_size"),
+        max_seq_len=_cfg_int(cfg, path, "max_position_embeddings", default=4096),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", True)), norm_eps=float(cfg.get("norm_epsilon", 1e-5)),
+        rope_theta=theta,
+    )
+
+
+def _phi3(cfg: dict, path: str, name: str) -> ModelSpec:
+    """Phi-3: the llama block with fused q/k/v and gate/up projections (the same weights), rotary over
+    partial_rotary_factor (1.0) of each head."""
+    h, heads = _cfg_int(cfg, path, "hidden_size"), _cfg_int(cfg, path, "num_attention_heads")
+    theta, share = _rope(cfg, ("rope_theta",), ("partial_rotary_factor",), 1.0)
+    head_dim = _cfg_int(cfg, path, "head_dim", default=h // heads)
+    return _llama_spec(cfg, path, name, max_seq_len=4096, qkv_bias=False, norm_eps=1e-5, rope_theta=theta,
+                       rotary_dim=_rotary_dim(path, head_dim, share))
+
+
+DENSE_READERS = {"gpt_neox": _gpt_neox, "opt": _opt, "falcon": _falcon, "starcoder2": _starcoder2, "phi3": _phi3}
+# Dense configs with parts this ModelSpec cannot describe, refused by name.
+UNREADABLE_DENSE_TYPES = {
+    "bloom": "ALiBi attention and the embedding LayerNorm are not modelled (a gpt2 config of the same sizes "
+             "plans the same compute)",
+    "gemma": "its scaled embedding and GeGLU MLP are not modelled",
+    "gemma2": "logit soft-capping, alternating sliding windows and post-norms are not modelled",
+    "gemma3": "alternating sliding windows and post-norms are not modelled",
+    "olmo2": "post-norm blocks and q/k norms over the whole projection are not modelled",
+}
 
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")

@@ -13,6 +13,8 @@ from meshplan.planner.fields import Fields
 
 LAYER_KINDS = ("embedding", "block", "head")
 ARCHS = ("gpt2", "llama", "custom")
+# The MLP: "gelu" and "relu" are two matmuls around the activation; "swiglu" is gated (three matmuls).
+MLPS = ("gelu", "relu", "swiglu")
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,9 @@ class ModelSpec:
     arch "gpt2": LayerNorm, GELU MLP, learned positions, biases everywhere.
     arch "llama": RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention, no biases
     (qwen2 adds a q/k/v bias). arch "custom": a user `module:factory`; dimensions are best-effort.
+    The other fields vary the parts: `mlp` "relu" (OPT), `parallel_residual` (GPT-NeoX, Falcon: attention
+    and MLP both read the block input, each through its own norm, and add to it), `rotary_dim` (GPT-NeoX
+    rotates the first 25 % of each head's dimensions; 0: all of them).
     """
 
     name: str
@@ -133,10 +138,17 @@ class ModelSpec:
     layers: tuple[LayerSpec, ...] = field(default=())
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
     moe: MoESpec | None = None  # None: dense
+    parallel_residual: bool = False
+    rotary_dim: int = 0  # 0 means head_dim
 
     def __post_init__(self) -> None:
         if self.head_dim == 0 and self.num_heads > 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.rotary_dim == 0:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        elif self.rotary_dim != self.head_dim and (self.rotary_dim % 2 or self.rotary_dim > self.head_dim):
+            raise InputError(f"model.rotary_dim: expected an even number of dimensions up to head_dim = "
+                             f"{self.head_dim}, got {self.rotary_dim}")
         if not self.layers:
             object.__setattr__(self, "layers", tuple(standard_layers(self)))
 
@@ -191,7 +203,7 @@ class ModelSpec:
             head_dim=f.int("head_dim", min=0, default=0),
             tied_embeddings=f.bool("tied_embeddings", default=False),
             norm=f.str("norm", choices=("layernorm", "rmsnorm"), default="rmsnorm"),
-            mlp=f.str("mlp", choices=("gelu", "swiglu"), default="swiglu"),
+            mlp=f.str("mlp", choices=MLPS, default="swiglu"),
             position=f.str("position", choices=("learned", "rope"), default="rope"),
             linear_bias=f.bool("linear_bias", default=False),
             qkv_bias=f.bool("qkv_bias", default=False),
@@ -201,6 +213,8 @@ class ModelSpec:
             layers=layers,
             qk_norm=f.bool("qk_norm", default=False),
             moe=None if data.get("moe") is None else MoESpec.from_dict(f.obj("moe").data, f"{path}.moe"),
+            parallel_residual=f.bool("parallel_residual", default=False),
+            rotary_dim=f.int("rotary_dim", min=0, default=0),
         )
         if "num_parameters" in data and f.int("num_parameters", min=0) != spec.num_parameters:
             raise InputError(

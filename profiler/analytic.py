@@ -39,16 +39,16 @@ def layer_activation_bytes(spec: ModelSpec, kind: str, b: int, s: int, tp: int =
     Block, per token, in values of B bytes (t = TP degree; "÷t (SP)" = divided by t with sequence
     parallelism):
     - each of the two norms keeps its input, h ÷t (SP), and fp32 statistics (LayerNorm: mean and rstd;
-      RMSNorm: rstd);
+      RMSNorm: rstd); with a parallel residual both inputs are the block input, kept once;
     - each norm's output, the input of q/k/v and of w1 (and w3): h, also with sequence parallelism.
       PyTorch's SequenceParallel all-gathers before the column-parallel Linears and they save the
       gathered input. Megatron-LM keeps the shard and gathers again in backward (Korthikanti Eq. 5);
     - fused attention (flash / memory-efficient SDPA): q, k, v, the output (also wo's input), and an fp32
       log-sum-exp per head; (2·q_dim + 2·kv_dim)/t with grouped-query k and v. No s² tensor:
       Korthikanti's 5·a·s/h term counts the softmax and dropout of unfused attention;
-    - MLP per f/t: GELU keeps w1's output and the GELU output (2f); SwiGLU keeps w1's and w3's outputs, the
-      SiLU output and their product (4f). No dropout: the executor has none;
-    - rotary: its cos and sin tables, per rotated tensor, s × head_dim/2 in fp32 (not per token).
+    - MLP per f/t: GELU keeps w1's output and the GELU output (2f); ReLU its output only (f); SwiGLU keeps
+      w1's and w3's outputs, the SiLU output and their product (4f). No dropout: the executor has none;
+    - rotary: its cos and sin tables, per rotated tensor, s × rotary_dim/2 in fp32 (not per token).
     Selective recompute checkpoints the attention core. Its output is still wo's input, so only the
     log-sum-exp goes: under fused attention selective saves almost nothing. Full recompute keeps the
     block input, h ÷t (SP).
@@ -93,8 +93,10 @@ def layer_activation_bytes(spec: ModelSpec, kind: str, b: int, s: int, tp: int =
         if sharded_inputs and spec.mlp == "swiglu" and spec.moe is None:
             mlp -= spec.ffn_hidden_size  # Megatron-LM's fused SwiGLU keeps its input only: 3f
         norm_out = h * B / (sp if sharded_inputs else 1)
-        per_token = 2 * (norm_kept + norm_out) + (2 * q_dim + 2 * kv_dim + mlp) * B / tp + lse
-        rope = 2 * 2 * s * (spec.head_dim // 2) * 4 if spec.position == "rope" else 0
+        norm_inputs = 1 if spec.parallel_residual else 2  # parallel residual: both norms read the block input
+        per_token = (norm_inputs * h * B + 2 * stats) / sp + 2 * norm_out \
+            + (2 * q_dim + 2 * kv_dim + mlp) * B / tp + lse
+        rope = 2 * 2 * s * (spec.rotary_dim // 2) * 4 if spec.position == "rope" else 0
         if unfused_attention:
             per_token += 2 * h / sp + (0 if recompute == "selective" else (2 * B + 1) * spec.num_heads * s / tp)
         return tokens * per_token + rope

@@ -53,10 +53,11 @@ def block_ffn_mats(spec: ModelSpec) -> float:
 
 def block_ffn_activation_values(spec: ModelSpec, dtype_bytes: int) -> float:
     """Values (of dtype_bytes each) the mean block's feed-forward keeps for backward per token, before ÷tp.
-    Dense: GELU 2f, SwiGLU 4f (analytic.layer_activation_bytes). MoE (executor/moe.py): per routed copy the
+    Dense: GELU 2f (its input and output), ReLU f (its output, which w2 keeps too: torch's relu backward
+    reads its result), SwiGLU 4f (analytic.layer_activation_bytes). MoE (executor/moe.py): per routed copy the
     gathered input row and the expert's output (2h) and the expert MLP's intermediates; the router's fp32
     logits and scores (2·E·4 bytes); the shared experts' intermediates and, with a gate, its input."""
-    per_f = 4 if spec.mlp == "swiglu" else 2
+    per_f = {"swiglu": 4, "relu": 1}.get(spec.mlp, 2)
     dense = per_f * spec.ffn_hidden_size
     phi = sparse_fraction(spec)
     if phi == 0:

@@ -256,7 +256,8 @@ class Roofline:
         else:
             ops += [2 * f * B]  # (bias-)GELU
         if spec.position == "rope":
-            ops += [2 * (q + kv) * 4 * 2]  # rotary on q and k, computed in fp32: read, write
+            rotated = spec.rotary_dim / spec.head_dim  # GPT-NeoX rotates a part of each head
+            ops += [2 * (q + kv) * rotated * 4 * 2]  # rotary on q and k, computed in fp32: read, write
         tokens = b * s
         return sum(self.bytes_time(tokens * o) for o in ops)
 

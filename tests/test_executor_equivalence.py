@@ -37,14 +37,27 @@ PLANS = {  # the issue's eight shapes first, then other schedule x zero x recomp
     # the planner's placement with data parallelism outermost: rank = 2·dp_index + pp_index
     "pp2xdp2-dp-outer-placement": dict(pp=2, dp=2, micro_batch_size=2, num_micro_batches=2,
                                        placement=Placement(["dp", "pp", "cp", "tp"], [[[[0]], [[2]]], [[[1]], [[3]]]])),
+    # other block parts: GPT-NeoX's (parallel residual, a quarter of each head rotated, LayerNorm, biases)
+    # and OPT's (ReLU MLP, learned positions, tied head)
+    "neox-pp2xtp2-sp": dict(model="neox", pp=2, tp=2, sequence_parallel=True, micro_batch_size=2,
+                            num_micro_batches=2),
+    "opt-dp2xtp2-zero3": dict(model="opt", dp=2, tp=2, zero=3, micro_batch_size=2, num_micro_batches=2),
+}
+
+_TINY_GPT = dict(norm="layernorm", mlp="gelu", linear_bias=True, num_kv_heads=4, layers=())
+MODELS = {  # variants of the tiny model
+    "tied": dict(name="tiny-tied", tied_embeddings=True, layers=()),
+    "neox": dict(_TINY_GPT, name="tiny-neox", parallel_residual=True, rotary_dim=4),
+    "opt": dict(_TINY_GPT, name="tiny-opt", mlp="relu", position="learned", tied_embeddings=True),
 }
 
 
-def build(tied: bool = False, placement: Placement | None = None, **kwargs):
+def build(tied: bool = False, placement: Placement | None = None, model: str | None = None, **kwargs):
     plan = make_plan(cluster="4xcpu", **kwargs)
     plan.placement = placement
-    if tied:  # the tiny model with its LM head tied to the embedding
-        plan.model = replace(builtin_model("tiny"), name="tiny-tied", tied_embeddings=True, layers=())
+    model = "tied" if tied else model  # the tiny model with its LM head tied to the embedding
+    if model is not None:
+        plan.model = replace(builtin_model("tiny"), **MODELS[model])
     return plan
 
 

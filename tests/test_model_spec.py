@@ -68,7 +68,64 @@ HF_CONFIGS = {
     "qwen2": ({"model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
                "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936,
                "max_position_embeddings": 32768, "tie_word_embeddings": True}, 494_032_768),
+    # EleutherAI/gpt-neox-20b: 20,554,567,680 parameters (untied head, biases, two LayerNorms per block).
+    "gpt_neox": ({"model_type": "gpt_neox", "hidden_size": 6144, "num_hidden_layers": 44, "num_attention_heads": 64,
+                  "intermediate_size": 24576, "vocab_size": 50432, "max_position_embeddings": 2048,
+                  "rotary_pct": 0.25, "use_parallel_residual": True}, 20_554_567_680),
+    # facebook/opt-125m: 125,239,296 parameters, less the 2 spare rows of its position table (2·768).
+    "opt": ({"model_type": "opt", "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+             "ffn_dim": 3072, "vocab_size": 50272, "max_position_embeddings": 2048, "do_layer_norm_before": True,
+             "word_embed_proj_dim": 768, "activation_function": "relu"}, 125_239_296 - 2 * 768),
+    # microsoft/Phi-3-mini-4k-instruct: 3,821,079,552 parameters.
+    "phi3": ({"model_type": "phi3", "hidden_size": 3072, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 32, "intermediate_size": 8192, "vocab_size": 32064,
+              "max_position_embeddings": 4096}, 3_821_079_552),
 }
+
+
+def _read(tmp_path, cfg: dict):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return from_hf_config(str(path))
+
+
+def test_hf_gpt_neox_rotates_a_quarter_of_each_head_with_a_parallel_residual(tmp_path):
+    spec = _read(tmp_path, HF_CONFIGS["gpt_neox"][0])
+    assert (spec.head_dim, spec.rotary_dim, spec.parallel_residual, spec.norm, spec.mlp) == \
+        (96, 24, True, "layernorm", "gelu")
+    assert spec.linear_bias and not spec.tied_embeddings
+    v5 = dict(HF_CONFIGS["gpt_neox"][0], rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.5})
+    del v5["rotary_pct"]
+    assert _read(tmp_path, v5).rotary_dim == 48  # transformers v5 spelling
+
+
+def test_hf_falcon_new_decoder_architecture(tmp_path):
+    """Falcon-40B's config: 128 heads of 64 over 8 k/v groups, attention and MLP side by side behind their own
+    LayerNorms, no biases, tied head; Falcon-7B's single shared LayerNorm and ALiBi variants are refused."""
+    cfg = {"model_type": "falcon", "hidden_size": 8192, "num_attention_heads": 128, "num_hidden_layers": 60,
+           "num_kv_heads": 8, "new_decoder_architecture": True, "vocab_size": 65024, "bias": False, "alibi": False}
+    spec = _read(tmp_path, cfg)
+    assert (spec.num_kv_heads, spec.ffn_hidden_size, spec.parallel_residual, spec.linear_bias, spec.tied_embeddings) \
+        == (8, 4 * 8192, True, False, True)
+    with pytest.raises(InputError, match="new_decoder_architecture"):
+        _read(tmp_path, dict(cfg, new_decoder_architecture=False, multi_query=True))
+    with pytest.raises(InputError, match="alibi"):
+        _read(tmp_path, dict(cfg, alibi=True))
+
+
+def test_hf_refuses_what_it_cannot_model_by_name(tmp_path):
+    with pytest.raises(InputError, match="do_layer_norm_before"):
+        _read(tmp_path, dict(HF_CONFIGS["opt"][0], do_layer_norm_before=False))
+    with pytest.raises(InputError, match="'bloom' is not supported yet: ALiBi"):
+        _read(tmp_path, {"model_type": "bloom"})
+
+
+def test_hf_starcoder2_layernorm_gelu_gqa_biases(tmp_path):
+    cfg = {"model_type": "starcoder2", "hidden_size": 6144, "intermediate_size": 24576, "num_attention_heads": 48,
+           "num_key_value_heads": 4, "num_hidden_layers": 40, "vocab_size": 49152, "rope_theta": 100000}
+    spec = _read(tmp_path, cfg)
+    assert (spec.norm, spec.mlp, spec.position, spec.num_kv_heads, spec.linear_bias, spec.rope_theta) == \
+        ("layernorm", "gelu", "rope", 4, True, 100000.0)
 
 
 @pytest.mark.parametrize("kind", list(HF_CONFIGS))

@@ -92,6 +92,12 @@ LLAMA_SMALL = ModelSpec(name="llama-small", arch="llama", vocab_size=256, hidden
                         num_heads=8, num_kv_heads=2, ffn_hidden_size=448, max_seq_len=256)
 
 
+# GPT-NeoX's block (parallel residual, a quarter of each head rotated) and OPT's ReLU MLP.
+NEOX_SMALL = replace(GPT_SMALL, name="neox-small", arch="llama", position="rope", parallel_residual=True,
+                     rotary_dim=4, layers=())
+OPT_SMALL = replace(GPT_SMALL, name="opt-small", mlp="relu", layers=())
+
+
 def cpu_rms_norm_extra(spec: ModelSpec, kind: str, b: int, s: int, B: int, recompute: str) -> float:
     """CPU has no fused RMSNorm kernel: the composite one keeps an fp32 copy of its input and the fp32
     normalised value (8 bytes per value) where the fused CUDA kernel, which the formula counts, keeps
@@ -102,7 +108,8 @@ def cpu_rms_norm_extra(spec: ModelSpec, kind: str, b: int, s: int, B: int, recom
     return norms * s * b * spec.hidden_size * (8 - B)
 
 
-@pytest.mark.parametrize("spec", [GPT_SMALL, LLAMA_SMALL], ids=["gpt2", "llama-gqa-f3.5"])
+@pytest.mark.parametrize("spec", [GPT_SMALL, LLAMA_SMALL, NEOX_SMALL, OPT_SMALL],
+                         ids=["gpt2", "llama-gqa-f3.5", "neox-parallel-residual", "opt-relu"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("t", [1, 2])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])

@@ -72,6 +72,18 @@ def test_eager_fp32_rmsnorm_moves_its_ops_bytes():
     assert extra == pytest.approx(2 * 2048 * 32 * model.hidden_size / 1.725e12)
 
 
+def test_partial_rotary_moves_its_share_of_bytes():
+    """GPT-NeoX rotates a quarter of each head: the rotary op reads and writes q and k in fp32, 2·(q+kv)·4·2
+    bytes per token for all of them; with rotary_dim = head_dim/4 the block's forward saves 3/4 of that
+    (llama3-8b: q = 4096, kv = 1024, b = 1, s = 2048, one A100 at 1.725 TB/s achievable)."""
+    from dataclasses import replace
+
+    model = builtin_model("llama3-8b")
+    quarter = replace(model, rotary_dim=model.head_dim // 4, layers=())
+    saved = A100.elementwise(model, 1, 2048, 1, False) - A100.elementwise(quarter, 1, 2048, 1, False)
+    assert saved == pytest.approx(0.75 * 2048 * 2 * (4096 + 1024) * 4 * 2 / 1.725e12)
+
+
 def test_flash_attention_rate_and_time():
     """Causal, head_dim 128: FA2 on A100 runs 155 TFLOP/s at 2k and 173 at 4k (fwd+bwd); at 3000 tokens
     the log2 interpolation gives 155 + 18·log2(3000/2048). One layer of 32 heads, b = 1, s = 2048:
