@@ -66,6 +66,9 @@ SOFTWARE: dict[str, str | dict] = {
                                                                        grad_accum_bytes=6),
     "llama3_herd_2024": dict(attention="flash", activations="sharded", sharded_accumulation=True, **_NO_COPIES),
     "megatron_readme_h100_2024": "megatron",
+    # NeMo 24.07 and Megatron-Bridge run Megatron-Core with Transformer Engine; their rows are FP8 (`fp8`)
+    "nemo_perf_summary": "megatron",
+    "megatron_bridge_perf_summary": "megatron",
     "llm_foundry_mpt": dict(attention="flash1", loss="fused", **_NO_COPIES),
     "torchtitan": "torchtitan",
 }
@@ -102,7 +105,13 @@ def software(row: dict) -> dict:
     eager_norm = row["layout"].get("norm_type") == "rmsnorm"  # torchtitan's eager RMSNorm (profiler/roofline.NORM)
     return (base | {"sequence_parallel": sp} | ({"grad_bytes": 2} if pure else {})
             | ({"selective": selective} if selective else {}) | ({"grad_overlap": True} if torch_ddp else {})
-            | ({"norm": "eager-fp32"} if eager_norm else {}))
+            | ({"norm": "eager-fp32"} if eager_norm else {}) | ({"fp8": fp8_recipe(row)} if row.get("fp8") else {}))
+
+
+def fp8_recipe(row: dict) -> str:
+    """Transformer Engine's scaling as the row names it: current scaling ("FP8-CS"), else delayed (TE's default
+    recipe, and NeMo 24.07's)."""
+    return "current" if "current" in (row["layout"].get("dtype") or "") else "delayed"
 
 
 def model_of(row: dict) -> ModelSpec:
@@ -171,8 +180,8 @@ def usable(row: dict) -> bool:
     lay = row["layout"]
     dims = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len")
     complete = all(row["model"].get(k) for k in dims) and bool(lay.get("global_batch_size"))
-    dense_bf16 = not row.get("fp8")
-    return complete and dense_bf16 and row["gpu"] in ("a100-40gb", "a100-80gb", "h100-80gb") \
+    te_fp8 = not row.get("fp8") or "Transformer Engine" in row["layout"]["dtype"] or "FP8-CS" in row["layout"]["dtype"]
+    return complete and te_fp8 and row["gpu"] in ("a100-40gb", "a100-80gb", "h100-80gb") \
         and row["num_gpus"] % 8 == 0
 
 

@@ -21,6 +21,9 @@ def check_supported(plan: Plan) -> None:
         raise InputError(f"plan.parallel.seq_len: {p.seq_len} must be a multiple of tp={p.tp} with sequence parallel")
     if spec.position == "learned" and p.seq_len > spec.max_seq_len:
         raise InputError(f"plan.parallel.seq_len: {p.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}")
+    if p.fp8 != "none":
+        raise InputError(f"plan.parallel.fp8: the executor trains without FP8 ({p.fp8} scaling planned); "
+                         "export the plan (plan export --format megatron) or plan without --fp8")
     check_cp(plan)
     if p.schedule == "zero-bubble" and p.zero >= 3 and p.dp > 1:
         raise InputError("plan.parallel.zero: zero-bubble schedules split backward into input and weight passes, "

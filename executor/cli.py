@@ -132,12 +132,12 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
         plan = load_plan(args.plan)
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        check_supported(plan)  # what no launch can run, before the launch's size
         if world != plan.world_size:
             raise InputError(f"plan.world_size: the plan needs {plan.world_size} processes (pp={plan.parallel.pp} "
                              f"x dp={plan.parallel.dp} x cp={plan.parallel.cp} x tp={plan.parallel.tp}) but {world} "
                              f"were launched; "
                              f"use torchrun with nnodes x nproc-per-node = {plan.world_size}")
-        check_supported(plan)
         device, backend = pick_device(plan, int(os.environ.get("LOCAL_RANK", "0")))
         check_cp_backend(plan, backend)
         assert local_stages(plan, 0)  # validated by load_plan: every pp rank has a stage

@@ -60,7 +60,7 @@ class Attention(nn.Module):
         q_dim, kv_dim = spec.num_heads * hd, spec.num_kv_heads * hd
         qkv_bias = spec.linear_bias or spec.qkv_bias
         self.head_dim = hd
-        self.rotary_dim = spec.rotary_dim
+        self.rotary_dim = spec.rotated_dims
         self.rope_theta = spec.rope_theta if spec.position == "rope" else None
         self.wq = nn.Linear(h, q_dim, bias=qkv_bias)
         self.wk = nn.Linear(h, kv_dim, bias=qkv_bias)

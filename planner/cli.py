@@ -93,6 +93,11 @@ def main_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-len", type=positive_int, metavar="S",
                    help="tokens per sequence (default: the model's maximum)")
     g.add_argument("--dtype", choices=DTYPES, default="bf16", help="training precision (default: bf16)")
+    g.add_argument("--fp8", choices=["delayed", "current"],
+                   help="FP8 Linears inside bf16 training, as Transformer Engine runs them (Megatron-Core, NeMo): "
+                        "delayed or current (per-tensor) scaling; GPU presets with FP8 tensor cores (H100, H200, "
+                        "B200, GB200); costed as Megatron-Core runs it unless --software says otherwise. The "
+                        "executor does not run FP8: export the plan (default: off)")
     g.add_argument("--software", choices=list(SOFTWARE),
                    help="the training software GPU presets charge and the search keeps to (default: a preset "
                         "--profile's, else meshplan's executor): torchtitan, "
@@ -154,9 +159,14 @@ def run_main(argv: Sequence[str]) -> int:
         from meshplan.profiler.profile import load_profile
 
         profile = load_profile(args.profile, model=model)
+    fp8 = args.fp8 or "none"
+    if args.fp8 and profile is not None and getattr(getattr(profile, "roofline", None), "fp8", "none") != fp8:
+        raise InputError(f"--fp8: {args.profile} was not made with --fp8 {args.fp8}; write a preset one with "
+                         f"plan profile --preset --fp8 {args.fp8}, or plan without --profile")
     # the engine: --software, else the one a preset profile file was made for, else the executor
     file_software = getattr(getattr(profile, "roofline", None), "software", None)
-    software = args.software or file_software or "meshplan"
+    # FP8 Linears are Transformer Engine's: Megatron-Core's engine unless another is named
+    software = args.software or file_software or ("megatron" if args.fp8 else "meshplan")
     constraints = Constraints(
         global_batch_size=args.global_batch_size or max(8, 2 * cluster.world_size), seq_len=args.seq_len,
         micro_batch_size=args.micro_batch_size, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp,
@@ -170,7 +180,7 @@ def run_main(argv: Sequence[str]) -> int:
 
         # this host's CPUs with nothing measured: a small model is measured now (cached), else presets + a note
         profile = profile_for(model, cluster, constraints.dtype, auto_measure=True, seq_len=args.seq_len,
-                              software=software)
+                              software=software, fp8=fp8)
     considered: list[tuple[float, float, str]] | None = [] if args.pareto else None
     with DelayedProgress("searching plans") as progress:
         plan = find_plan(model, cluster, constraints, profile, progress=progress, considered=considered)

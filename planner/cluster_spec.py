@@ -46,6 +46,9 @@ class DeviceSpec:
     # the K of the shape `efficiency` was measured at; 0: not modelled
     gemm_k0: float = 0.0
     gemm_k_ref: float = 0.0
+    # FP8 tensor cores (peak_flops["fp8"]): measured MAMF / peak and the K of its shape; 0: none
+    fp8_efficiency: float = 0.0
+    fp8_gemm_k_ref: float = 0.0
 
     @classmethod
     def from_dict(cls, data: dict, path: str) -> DeviceSpec:
@@ -79,6 +82,8 @@ class DeviceSpec:
                    communicator_bytes=f.float("communicator_bytes", min=0.0, default=NCCL_COMMUNICATOR_BYTES * gpu),
                    gemm_k0=f.float("gemm_k0", min=0.0, default=0.0),
                    gemm_k_ref=f.float("gemm_k_ref", min=0.0, default=0.0),
+                   fp8_efficiency=f.float("fp8_efficiency", min=0.0, default=0.0),
+                   fp8_gemm_k_ref=f.float("fp8_gemm_k_ref", min=0.0, default=0.0),
                    attention_flops={k: [[float(a), float(b)] for a, b in v] for k, v in table.items()})
 
 
@@ -197,30 +202,39 @@ COMM_SMS = 24
 
 
 def _gpu(name: str, mem: int, peak: dict[str, float], hbm: float, mamf: float, sms: int,
-         fa: dict[str, list[list[float]]], hbm_share: float, k0: float = 0.0, k_ref: float = 0.0) -> DeviceSpec:
+         fa: dict[str, list[list[float]]], hbm_share: float, k0: float = 0.0, k_ref: float = 0.0,
+         fp8: tuple[float, float] = (0.0, 0.0)) -> DeviceSpec:
     return DeviceSpec(name, "cuda", mem, peak, efficiency=mamf, memory_bandwidth_Bps=hbm, sm_count=sms,
                       memory_efficiency=hbm_share, kernel_launch_s=LAUNCH_S, attention_flops=fa,
                       device_spread=DEVICE_SPREAD, comm_sms=COMM_SMS, context_bytes=CUDA_CONTEXT_BYTES,
-                      communicator_bytes=NCCL_COMMUNICATOR_BYTES, gemm_k0=k0, gemm_k_ref=k_ref)
+                      communicator_bytes=NCCL_COMMUNICATOR_BYTES, gemm_k0=k0, gemm_k_ref=k_ref,
+                      fp8_efficiency=fp8[0], fp8_gemm_k_ref=fp8[1])
 
 
+# - FP8 (float8_e4m3fn) tensor cores: dense peak (H100/H200 SXM datasheets 1,979 TFLOP/s, B200 4,500, GB200
+#   5,000; the "Theory" column of the table below) and MAMF with its shape (stas00/ml-engineering
+#   compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS", FP8 table): H100 SXM 1402.6 at
+#   1024x9216x14336, H200 SXM 1453.4 at 1280x4096x12032, B200 3432.5 at 15360x4096x3072, GB200 3615.6 at
+#   19456x5120x1536. A100 has no FP8 tensor cores.
 _A100 = {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12}
-_H100 = {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12}
+_H100 = {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12}
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
     "a100-40gb": _gpu("a100-40gb", 40960 * MiB, _A100, 1.555e12, 271.2 / 312, 108, FA2_A100, 1.377 / 1.555,
                       A100_GEMM_K0_DERIVED, H100_MAMF_K),
     "a100-80gb": _gpu("a100-80gb", 81920 * MiB, _A100, 2.039e12, 271.2 / 312, 108, FA2_A100, 1.725 / 2.039,
                       A100_GEMM_K0_DERIVED, H100_MAMF_K),
     "h100-80gb": _gpu("h100-80gb", 81559 * MiB, _H100, 3.35e12, 794.5 / 989, 132, FA2_H100, 2.97 / 3.35,
-                      H100_GEMM_K0, H100_MAMF_K),
+                      H100_GEMM_K0, H100_MAMF_K, fp8=(1402.6 / 1979, 14336)),
     "h200-141gb": _gpu("h200-141gb", 143771 * MiB, _H100, 4.8e12, 794.5 / 989, 132, FA2_H100, 4.18 / 4.8,
-                       H100_GEMM_K0, H100_MAMF_K),
-    "b200-180gb": _gpu("b200-180gb", 180 * 1000**3, {"fp32": 80e12, "bf16": 2250e12, "fp16": 2250e12}, 8e12,
-                       1745.0 / 2250, 148, FA2_B200_DERIVED, 4.18 / 4.8),
+                       H100_GEMM_K0, H100_MAMF_K, fp8=(1453.4 / 1979, 12032)),
+    "b200-180gb": _gpu("b200-180gb", 180 * 1000**3,
+                       {"fp32": 80e12, "bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12}, 8e12,
+                       1745.0 / 2250, 148, FA2_B200_DERIVED, 4.18 / 4.8, fp8=(3432.5 / 4500, 3072)),
     # GB200 NVL72 (nvidia.com gb200-nvl72: 360 PFLOP/s sparse BF16 per 72 GPUs -> 2,500 dense each; 186 GB
     # HBM3e at 8 TB/s; FP32 80, ml-engineering); MAMF 1822.0 (ml-engineering L358); SMs and HBM share as B200.
-    "gb200-186gb": _gpu("gb200-186gb", 186 * 1000**3, {"fp32": 80e12, "bf16": 2500e12, "fp16": 2500e12}, 8e12,
-                        1822.0 / 2500, 148, FA2_GB200_DERIVED, 4.18 / 4.8),
+    "gb200-186gb": _gpu("gb200-186gb", 186 * 1000**3,
+                        {"fp32": 80e12, "bf16": 2500e12, "fp16": 2500e12, "fp8": 5000e12}, 8e12,
+                        1822.0 / 2500, 148, FA2_GB200_DERIVED, 4.18 / 4.8, fp8=(3615.6 / 5000, 1536)),
     # A CPU "device" is one process; its memory is this host's RAM shared by the processes of a node
     # (set in parse_cluster). FLOP/s: a nominal few-core AVX2 figure; the profiler measures the real one.
     "cpu": DeviceSpec("cpu", "cpu", 16 * GiB, {"fp32": 1e11, "bf16": 2e10, "fp16": 1e10}, efficiency=0.3,

@@ -49,7 +49,7 @@ from meshplan.planner.cost_collectives import (
 )
 from meshplan.planner.cost_compute import compute_time
 from meshplan.planner.cost_cp import CPTerms, all_to_all_time
-from meshplan.planner.cost_memory import Workspace, state_bytes_per_param
+from meshplan.planner.cost_memory import Workspace, fp8_weight_bytes, state_bytes_per_param
 from meshplan.planner.cost_model import Terms
 from meshplan.planner.model_spec import ModelSpec, expert_params, is_sparse_block
 from meshplan.planner.topology import group_class
@@ -218,9 +218,9 @@ class _EPMixin:
             edp = max(1, dp // self.ep)
             experts = model.moe.num_experts * expert_params(model)
             ex = experts / (self.ep * self.expert_tp)
-            g = grad_bytes(self.profile, self.dtype)
-            bytes_dp = sum(state_bytes_per_param(self.dtype, zero, dp, sync.full_grads, g))
-            bytes_edp = sum(state_bytes_per_param(self.dtype, zero, edp, sync.full_grads, g))
+            g, fp8 = grad_bytes(self.profile, self.dtype), fp8_weight_bytes(self.profile)
+            bytes_dp = sum(state_bytes_per_param(self.dtype, zero, dp, sync.full_grads, g, fp8))
+            bytes_edp = sum(state_bytes_per_param(self.dtype, zero, edp, sync.full_grads, g, fp8))
             in_situ = dp > 1 and self.profile.wrapper(zero) is not None
             by_params: dict[float, tuple] = {}  # sparse blocks repeat
             for i, layer in enumerate(model.layers):

@@ -15,6 +15,9 @@ Assumptions (documented once here):
 - All layers' parameters (vocab-parallel embedding and head included) are split over tp; the few norm
   weights that TP replicates are neglected.
 - ZeRO-3 gathers two layers' parameters at a time (current + prefetch), the workspace term below.
+- Under an FP8 recipe (profiler/roofline.FP8) Transformer Engine caches each Linear's FP8 weight and its
+  transpose for the step: 2 B per parameter below ZeRO-3 (charged on every parameter: the 16-bit embedding
+  and head are over-counted by that much); with ZeRO-3 they live with the gathered unit and are not counted.
 """
 
 from __future__ import annotations
@@ -29,8 +32,14 @@ from meshplan.profiler.analytic import DTYPE_BYTES
 STATE_BYTES = {"bf16": (2.0, 4.0, 12.0), "fp16": (2.0, 4.0, 12.0), "fp32": (4.0, 4.0, 8.0)}
 
 
+def fp8_weight_bytes(profile) -> float:
+    """Bytes per parameter of the FP8 weight cache (module docstring): 2 under an FP8 recipe, else 0."""
+    r = getattr(profile, "roofline", None)
+    return 2.0 if r is not None and r.fp8 != "none" else 0.0
+
+
 def state_bytes_per_param(dtype: str, zero: int, dp: int, accumulating: bool = False,
-                          grad: float | None = None) -> tuple[float, float, float]:
+                          grad: float | None = None, fp8_weights: float = 0.0) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer) bytes per parameter on one device under ZeRO level `zero`, at the
     activation peak of a step as the executor runs it. FSDP2 (ZeRO ≥ 1, dp > 1) keeps each parameter's
     fp32 shard, and below ZeRO-3 also the gathered parameter for the whole step (ZeRO-3 gathers it per
@@ -45,10 +54,10 @@ def state_bytes_per_param(dtype: str, zero: int, dp: int, accumulating: bool = F
     p, g, o = STATE_BYTES[dtype]
     g = g if grad is None else grad
     if dp <= 1:
-        return p, g, o
+        return p + fp8_weights, g, o
     shards = dp if zero >= 1 else 1  # replicate: FSDP2's engine over one shard, the whole parameter
     shard = p / shards if dtype == "fp32" else 0.0
-    params = shard if zero >= 3 else p + shard  # ZeRO-3 gathers 16-bit parameters per unit (gather_workspace)
+    params = shard if zero >= 3 else p + shard + fp8_weights  # ZeRO-3 gathers per unit (gather_workspace)
     return params, (g / shards if zero >= 2 and not accumulating else g), o / shards
 
 

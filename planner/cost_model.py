@@ -42,6 +42,7 @@ from meshplan.planner.cost_memory import (
     Workspace,
     activation_bytes,
     fixed_bytes,
+    fp8_weight_bytes,
     gather_workspace,
     grads_idle,
     later_moments,
@@ -313,7 +314,7 @@ class Terms:
         gradient reductions s) of every layer (`dp_reduction_times`)."""
         def make():
             g = grad_bytes(self.profile, self.dtype)
-            pb, gb, ob = state_bytes_per_param(self.dtype, zero, dp, sync.full_grads, g)
+            pb, gb, ob = state_bytes_per_param(self.dtype, zero, dp, sync.full_grads, g, fp8_weight_bytes(self.profile))
             by_params: dict[tuple, tuple] = {}
             out: tuple[list, list, list, list, list] = ([], [], [], [], [])
             in_situ = dp > 1 and self.profile.wrapper(zero) is not None
@@ -369,7 +370,8 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
     boundary = [root + t for t, _, _ in splits]
     inflight = [in_flight(cand.schedule, pp, v, cand.m, r) for r in range(pp)]
     moments = [grad_moments(cand.schedule, pp, v, cand.m, r) for r in range(pp)]
-    state_bytes = state_bytes_per_param(dtype, zero, dp, sync.full_grads, grad_bytes(profile, dtype))
+    state_bytes = state_bytes_per_param(dtype, zero, dp, sync.full_grads, grad_bytes(profile, dtype),
+                                        fp8_weight_bytes(profile))
     tied = sum(layer.tied_params for layer in model.layers if layer.kind == "head")
     fixed = fixed_bytes(pp, rank, tied / tp * sum(state_bytes),
                         gather_workspace(model, tp, dtype) if zero >= 3 and dp > 1 else 0.0)

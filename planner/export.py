@@ -85,6 +85,8 @@ def to_megatron(plan: Plan, warnings: list[str] | None = None) -> str:
                  "version; fall back to --use-distributed-optimizer (ZeRO-1) if it refuses")
     if p.dtype in ("bf16", "fp16"):
         args.append((f"--{p.dtype}", None))
+    if p.fp8 != "none":  # Transformer Engine: E4M3 forward, E5M2 gradients; current scaling is "tensorwise"
+        args += [("--fp8-format", "hybrid"), ("--fp8-recipe", "delayed" if p.fp8 == "delayed" else "tensorwise")]
     args += megatron_moe_args(plan, warn)
     args += megatron_cp_args(plan, warn)
     lines = [f"# Megatron-LM arguments for {m.name} on {plan.cluster.name}, from a meshplan plan",
@@ -107,8 +109,8 @@ def _megatron_block(m, warn: Callable[[str], None]) -> list[tuple[str, object | 
         args.append(("--normalization", "RMSNorm"))
     if m.position == "rope":
         args.append(("--position-embedding-type", "rope"))
-        if m.rotary_dim < m.head_dim:
-            args.append(("--rotary-percent", m.rotary_dim / m.head_dim))
+        if m.rotated_dims < m.head_dim:
+            args.append(("--rotary-percent", m.rotated_dims / m.head_dim))
     if not m.linear_bias:
         args.append(("--disable-bias-linear", None))
         if m.qkv_bias:
@@ -184,6 +186,10 @@ def to_torchtitan(plan: Plan, warnings: list[str] | None = None) -> str:
     if p.dtype == "fp16":
         warn("dtype fp16: torchtitan's mixed_precision_param is bfloat16 or float32; exported bfloat16")
     training["mixed_precision_param"] = TITAN_DTYPES.get(p.dtype, "bfloat16")
+    if p.fp8 != "none":
+        warn(f"fp8 {p.fp8}: torchtitan's FP8 is torchao's Float8LinearConverter, set in the model registry "
+             "(filter_fqns=['output']), not in this file; its recipes (rowwise by default) differ from Transformer "
+             "Engine's, which the plan's predictions charge")
     parallelism: dict[str, object] = {}
     if p.zero == 0:
         parallelism.update(data_parallel_replicate_degree=p.dp, data_parallel_shard_degree=1)
@@ -261,6 +267,9 @@ def to_deepspeed(plan: Plan, warnings: list[str] | None = None) -> str:
     precision, AutoTP degree and the pipeline engine's section."""
     warn = warnings.append if warnings is not None else (lambda _: None)
     p = plan.parallel
+    if p.fp8 != "none":
+        warn(f"fp8 {p.fp8}: DeepSpeed's config has no FP8 switch; the model must use Transformer Engine's "
+             "Linears under te.fp8_autocast")
     config: dict[str, object] = {
         "train_batch_size": p.global_batch_size,
         "train_micro_batch_size_per_gpu": p.micro_batch_size,

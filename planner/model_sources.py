@@ -146,11 +146,12 @@ def _rope(cfg: dict, theta_keys: tuple[str, ...], factor_keys: tuple[str, ...], 
 
 
 def _rotary_dim(path: str, head_dim: int, share: float) -> int:
+    """ModelSpec.rotary_dim: 0 for the whole head."""
     dim = int(head_dim * share)  # transformers: int(head_size * rotary_pct)
     if dim <= 0 or dim % 2:
         raise InputError(f"{path}: the rotary share {share} of head_dim {head_dim} gives {dim} dimensions; "
                          f"expected a positive even number")
-    return dim
+    return 0 if dim == head_dim else dim
 
 
 def _sizes(cfg: dict, path: str, name: str, h: int, heads: int) -> dict[str, Any]:

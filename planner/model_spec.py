@@ -139,18 +139,21 @@ class ModelSpec:
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
     moe: MoESpec | None = None  # None: dense
     parallel_residual: bool = False
-    rotary_dim: int = 0  # 0 means head_dim
+    rotary_dim: int = 0  # 0: the whole head (`rotated_dims`)
 
     def __post_init__(self) -> None:
         if self.head_dim == 0 and self.num_heads > 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        if self.rotary_dim == 0:
-            object.__setattr__(self, "rotary_dim", self.head_dim)
-        elif self.rotary_dim != self.head_dim and (self.rotary_dim % 2 or self.rotary_dim > self.head_dim):
+        if self.rotary_dim and (self.rotary_dim % 2 or self.rotary_dim > self.head_dim):
             raise InputError(f"model.rotary_dim: expected an even number of dimensions up to head_dim = "
                              f"{self.head_dim}, got {self.rotary_dim}")
         if not self.layers:
             object.__setattr__(self, "layers", tuple(standard_layers(self)))
+
+    @property
+    def rotated_dims(self) -> int:
+        """Dimensions of each head that rotary positions rotate."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def num_parameters(self) -> int:

@@ -23,6 +23,8 @@ CP_MODES = ("ring", "all-gather", "all-to-all")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("fp32", "bf16", "fp16")
+# FP8 Linears inside bf16 training (profiler/roofline.FP8): Transformer Engine's delayed or current scaling
+FP8_RECIPES = ("none", "delayed", "current")
 MESH_DIMS = ["pp", "dp", "cp", "tp"]
 
 
@@ -45,6 +47,7 @@ class ParallelConfig:
     cp_mode: str = "ring"
     ep: int = 1
     expert_tp: int = 1
+    fp8: str = "none"  # FP8_RECIPES
 
     @property
     def world_size(self) -> int:
@@ -71,7 +74,10 @@ class ParallelConfig:
             dtype=f.str("dtype", choices=DTYPES), sequence_parallel=f.bool("sequence_parallel", default=False),
             cp=f.int("cp", min=1, default=1), cp_mode=f.str("cp_mode", choices=CP_MODES, default="ring"),
             ep=f.int("ep", min=1, default=1), expert_tp=f.int("expert_tp", min=1, default=1),
+            fp8=f.str("fp8", choices=FP8_RECIPES, default="none"),
         )
+        if cfg.fp8 != "none" and cfg.dtype != "bf16":
+            raise f.fail("fp8", f"'none' with dtype {cfg.dtype} (FP8 Linears run inside bf16 training)", cfg.fp8)
         if (cfg.dp * cfg.cp) % cfg.ep:
             raise f.fail("ep", f"a divisor of dp x cp = {cfg.dp * cfg.cp}", cfg.ep)
         if cfg.expert_tp not in (1, cfg.tp):

@@ -39,7 +39,7 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     )  # two lines: each fits an 80-column terminal
     console.print(
         f"micro-batch {p.micro_batch_size} x {p.num_micro_batches}  global batch {p.global_batch_size}"
-        + f"  seq {p.seq_len}  recompute={p.recompute}  {p.dtype}"
+        + f"  seq {p.seq_len}  recompute={p.recompute}  {p.dtype}" + ("+fp8" if p.fp8 != "none" else "")
     )
     for line in moe_lines(plan):  # experts per rank, EP groups (planner/show_moe.py)
         console.print(line)

@@ -36,7 +36,14 @@ from meshplan.planner.cost_collectives import (
 from meshplan.planner.cost_compute import model_flops_per_iteration
 from meshplan.planner.cost_cp import cp_modes, cp_pp_pairs, cp_terms
 from meshplan.planner.cost_ep import ep_options, ep_terms, links_with_ep
-from meshplan.planner.cost_memory import fixed_bytes, gather_workspace, grads_idle, state_bytes_per_param, state_kept
+from meshplan.planner.cost_memory import (
+    fixed_bytes,
+    fp8_weight_bytes,
+    gather_workspace,
+    grads_idle,
+    state_bytes_per_param,
+    state_kept,
+)
 from meshplan.planner.cost_model import (
     Evaluation,
     StageProblem,
@@ -435,7 +442,8 @@ class Search:
                 block_state_min=min((state[i] for i in blocks), default=0.0),
                 ends=[(i, state[i], k) for i, k in enumerate(kinds) if k != "block"],
                 state_bytes=state_bytes_per_param(self.c.dtype, zero, dp, sync.full_grads,
-                                                  grad_bytes(self.profile, self.c.dtype)),
+                                                  grad_bytes(self.profile, self.c.dtype),
+                                                  fp8_weight_bytes(self.profile)),
                 workspace=gather_workspace(self.model, tp, self.c.dtype))
         return self.terms.memo[key]
 
@@ -730,7 +738,8 @@ def infeasible_message(search: Search) -> str:
     """Exit 3: the nearest candidate, by how much it exceeds memory where, and what would make it fit."""
     near = search.nearest()
     c, dev = search.c, search.cluster.device
-    per_param = sum(state_bytes_per_param(c.dtype, 0, 1, grad=grad_bytes(search.profile, c.dtype)))
+    per_param = sum(state_bytes_per_param(c.dtype, 0, 1, grad=grad_bytes(search.profile, c.dtype),
+                                          fp8_weights=fp8_weight_bytes(search.profile)))
     state = sum(layer.params for layer in search.model.layers) * per_param
     need_devices = int(-(-state // (dev.memory_bytes * (1 - c.memory_margin))))
     hints = []
@@ -798,7 +807,8 @@ def _parallel(search: Search, scored: Scored) -> ParallelConfig:
         dp=cand.dp, tp=cand.tp, pp=cand.pp, virtual_stages=cand.v, zero=cand.zero, schedule=cand.schedule,
         micro_batch_size=cand.b, num_micro_batches=cand.m, global_batch_size=search.c.global_batch_size,
         seq_len=search.seq, recompute=mode, dtype=search.c.dtype, sequence_parallel=cand.tp > 1, cp=cand.cp,
-        cp_mode=cand.cp_mode if cand.cp > 1 else "ring", ep=cand.ep, expert_tp=cand.expert_tp)
+        cp_mode=cand.cp_mode if cand.cp > 1 else "ring", ep=cand.ep, expert_tp=cand.expert_tp,
+        fp8=getattr(getattr(search.profile, "roofline", None), "fp8", "none"))
 
 
 def to_plan(search: Search, results: list[Scored], stats: SearchStats) -> Plan:
@@ -806,7 +816,8 @@ def to_plan(search: Search, results: list[Scored], stats: SearchStats) -> Plan:
     cand, sol = best.cand, best.solution
     pb, gb, ob = state_bytes_per_param(search.c.dtype, cand.zero, cand.dp,
                                         grad_sync(cand, search.sharded).full_grads,
-                                        grad_bytes(search.profile, search.c.dtype))
+                                        grad_bytes(search.profile, search.c.dtype),
+                                        fp8_weight_bytes(search.profile))
     total = pb + gb + ob
     ev = evaluate(best.problem, sol.bounds, sol.recompute, (pb / total, gb / total, ob / total))
     stages, m = [], cand.m

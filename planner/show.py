@@ -134,7 +134,7 @@ def summary(plan: Plan, timeline: Timeline | None, width: int) -> list:
 
 def describe_parallel(p: ParallelConfig) -> str:
     parts = [f"ZeRO-{p.zero}", f"schedule {p.schedule}" + (f" (v={p.virtual_stages})" if p.virtual_stages > 1 else ""),
-             f"recompute {p.recompute}", p.dtype]
+             f"recompute {p.recompute}", p.dtype + (f" with FP8 Linears ({p.fp8} scaling)" if p.fp8 != "none" else "")]
     if p.sequence_parallel:
         parts.append("sequence parallel")
     return ", ".join(parts)

@@ -31,7 +31,7 @@ def layer_forward_flops(spec: ModelSpec, kind: str, b: int, s: int, tp: int = 1)
 def layer_activation_bytes(spec: ModelSpec, kind: str, b: int, s: int, tp: int = 1, dtype: str = "bf16",
                            recompute: str = "none", sequence_parallel: bool = False,
                            unfused_attention: bool = False, sharded_inputs: bool = False,
-                           selective: str = "attention", fused_loss: bool = False) -> float:
+                           selective: str = "attention", fused_loss: bool = False, fp8: bool = False) -> float:
     """Bytes saved for backward by one layer for one micro-batch on one tensor-parallel rank, counted
     tensor by tensor as the executor's layers (executor/model.py) and PyTorch's CUDA kernels save them.
     tests/test_profiler_memory.py checks the count against the profiler's saved-tensor count on CPU.
@@ -48,7 +48,10 @@ def layer_activation_bytes(spec: ModelSpec, kind: str, b: int, s: int, tp: int =
       Korthikanti's 5·a·s/h term counts the softmax and dropout of unfused attention;
     - MLP per f/t: GELU keeps w1's output and the GELU output (2f); ReLU its output only (f); SwiGLU keeps
       w1's and w3's outputs, the SiLU output and their product (4f). No dropout: the executor has none;
-    - rotary: its cos and sin tables, per rotated tensor, s × rotary_dim/2 in fp32 (not per token).
+    - rotary: its cos and sin tables, per rotated tensor, s × rotary_dim/2 in fp32 (not per token);
+    - `fp8` (Transformer Engine's FP8 Linears, profiler/roofline.FP8): the Linears keep their inputs in FP8,
+      1 byte: the norm outputs (written in FP8 by LayerNormLinear) and the last MLP GEMM's input; the
+      output projection keeps an FP8 copy of the attention output, which the attention core keeps too.
     Selective recompute checkpoints the attention core. Its output is still wo's input, so only the
     log-sum-exp goes: under fused attention selective saves almost nothing. Full recompute keeps the
     block input, h ÷t (SP).
@@ -92,11 +95,13 @@ def layer_activation_bytes(spec: ModelSpec, kind: str, b: int, s: int, tp: int =
         mlp = block_ffn_activation_values(spec, B)  # dense: 4f SwiGLU, 2f GELU; MoE: profiler/moe_cost.py
         if sharded_inputs and spec.mlp == "swiglu" and spec.moe is None:
             mlp -= spec.ffn_hidden_size  # Megatron-LM's fused SwiGLU keeps its input only: 3f
-        norm_out = h * B / (sp if sharded_inputs else 1)
+        norm_out = h * (1 if fp8 else B) / (sp if sharded_inputs else 1)
         norm_inputs = 1 if spec.parallel_residual else 2  # parallel residual: both norms read the block input
         per_token = (norm_inputs * h * B + 2 * stats) / sp + 2 * norm_out \
             + (2 * q_dim + 2 * kv_dim + mlp) * B / tp + lse
-        rope = 2 * 2 * s * (spec.rotary_dim // 2) * 4 if spec.position == "rope" else 0
+        if fp8:  # the output projection keeps an FP8 copy of its input; the last MLP GEMM's input is FP8
+            per_token += (q_dim - (B - 1) * (spec.ffn_hidden_size if spec.moe is None else 0)) / tp
+        rope = 2 * 2 * s * (spec.rotated_dims // 2) * 4 if spec.position == "rope" else 0
         if unfused_attention:
             per_token += 2 * h / sp + (0 if recompute == "selective" else (2 * B + 1) * spec.num_heads * s / tp)
         return tokens * per_token + rope

@@ -52,6 +52,8 @@ def parser() -> argparse.ArgumentParser:
                    help="write the preset profile (documented peak x efficiency, link datasheets) without measuring")
     p.add_argument("--software", choices=list(SOFTWARE), default="meshplan",
                    help="with --preset: the training software the GPU preset charges (default: meshplan's executor)")
+    p.add_argument("--fp8", choices=["delayed", "current"],
+                   help="with --preset: FP8 Linears (Transformer Engine's delayed or current scaling)")
     p.add_argument("--quiet", action="store_true", help="no progress and no tables")
     return p
 
@@ -93,7 +95,8 @@ def main(argv: Sequence[str]) -> int:
         from meshplan.profiler.presets import preset_profile
         from meshplan.profiler.software import software_settings
 
-        profile = preset_profile(model, cluster, args.dtype, **software_settings(args.software, args.dtype))
+        profile = preset_profile(model, cluster, args.dtype, **software_settings(args.software, args.dtype),
+                                 fp8=args.fp8 or "none")
     else:
         _check(args, model, cluster)
         profile = _measure_or_cached(args, model, cluster)

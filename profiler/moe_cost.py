@@ -114,10 +114,11 @@ def dense_ffn_time(roofline, spec: ModelSpec, tokens: float, tp: int) -> tuple[f
 
 def block_ffn_time_correction(roofline, spec: ModelSpec, tokens: float, tp: int) -> tuple[float, float]:
     """What to add to a block timed with the dense MLP's GEMMs to time the mean block of a MoE model at
-    ep = 1: phi · (MoE feed-forward − dense MLP). 0 for a dense model."""
+    ep = 1: phi · (MoE feed-forward − dense MLP). 0 for a dense model. The dense MLP was timed at the
+    Linear GEMMs' rates (FP8's under an FP8 recipe); the experts are timed 16-bit (FP8 experts not modelled)."""
     phi = sparse_fraction(spec)
     if phi == 0:
         return 0.0, 0.0
     mf, mb = moe_ffn_time(roofline, spec, tokens, tp)
-    df, db = dense_ffn_time(roofline, spec, tokens, tp)
+    df, db = dense_ffn_time(getattr(roofline, "linear", roofline), spec, tokens, tp)
     return phi * (mf - df), phi * (mb - db)

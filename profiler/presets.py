@@ -24,11 +24,16 @@ def device_roofline(cluster: ClusterSpec, dtype: str, attention: str = "flash", 
                     grad_reduce: str = "reduce_scatter", grad_accum_bytes: float = 0.0,
                     selective: str = "attention", fsdp_copies: bool = True, loss: str = "fp32",
                     p2p: str = "overlapped", sharded_accumulation: bool = False, norm: str = "fused",
-                    software: str = "meshplan") -> Roofline | None:
+                    software: str = "meshplan", fp8: str = "none") -> Roofline | None:
     """The per-operation model of a GPU preset (None for a CPU or a device without SM count); the
     software settings default to the executor's (profiler/roofline.py). attention "flash1": software that
     ran FlashAttention-1 (cluster_spec.FLASH1_PRESETS)."""
     d = cluster.device
+    if fp8 != "none" and (d.peak_flops.get("fp8", 0) <= 0 or d.fp8_efficiency <= 0 or d.sm_count <= 0):
+        raise InputError(f"--fp8: {d.type} has no FP8 tensor cores in its preset (FP8: h100-80gb, h200-141gb, "
+                         f"b200-180gb, gb200-186gb)")
+    if fp8 != "none" and dtype != "bf16":
+        raise InputError(f"--fp8: FP8 Linears run inside bf16 training; expected --dtype bf16, got {dtype}")
     if d.kind != "cuda" or d.sm_count <= 0 or not d.attention_flops or dtype == "fp32":
         return None
     table = d.attention_flops
@@ -45,7 +50,9 @@ def device_roofline(cluster: ClusterSpec, dtype: str, attention: str = "flash", 
                     grad_bytes=grad_bytes, grad_reduce=grad_reduce, gemm_k0=d.gemm_k0, gemm_k_ref=d.gemm_k_ref,
                     grad_accum_bytes=grad_accum_bytes, selective=selective,
                     fsdp_copies=fsdp_copies, loss=loss, p2p=p2p,
-                    sharded_accumulation=sharded_accumulation, norm=norm, software=software)
+                    sharded_accumulation=sharded_accumulation, norm=norm, software=software, fp8=fp8,
+                    fp8_peak_flops=d.peak_flops.get("fp8", 0.0), fp8_gemm_fraction=d.fp8_efficiency,
+                    fp8_gemm_k_ref=d.fp8_gemm_k_ref)
 
 
 def preset_profile(model: ModelSpec, cluster: ClusterSpec, dtype: str = "bf16", **software) -> Profile:

@@ -397,7 +397,8 @@ class Profile:
                                           unfused_attention=r is not None and r.attention == "unfused",
                                           sharded_inputs=r is not None and r.activations == "sharded",
                                           selective=r.selective if r is not None else "attention",
-                                          fused_loss=r is not None and r.loss == "fused")
+                                          fused_loss=r is not None and r.loss == "fused",
+                                          fp8=r is not None and r.fp8 != "none")
         ratios = [m.activation_bytes / a for m in self.memory if m.kind == kind and m.recompute == recompute
                   for a in [layer_activation_bytes(self.model, kind, m.micro_batch_size, m.seq_len, m.tp,
                                                    self.dtype, recompute)] if a > 0]

@@ -22,12 +22,14 @@ The measured-profile path (profiler/measure.py) does not use this module.
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from meshplan.planner.errors import InputError
 from meshplan.planner.fields import Fields
 from meshplan.planner.model_spec import ModelSpec, vocab_shard
+from meshplan.planner.plan import FP8_RECIPES
 from meshplan.profiler.moe_cost import block_ffn_time_correction
 
 ATTENTION = ("flash", "unfused")
@@ -69,6 +71,19 @@ P2P = ("overlapped", "blocking")
 # cast back (read 4, write B), the weight (read B, write B): 28 + 4B bytes per element. (The fp32 tensors
 # it saves for backward are not in the activation count.)
 NORM = ("fused", "eager-fp32")
+# FP8 linear layers (Transformer Engine's recipes, as Megatron-Core and NeMo run them; hybrid format, E4M3
+# forward, E5M2 gradients): the blocks' Linear GEMMs (q/k/v, output projection, MLP) run on the FP8 tensor
+# cores, the attention core, embedding and LM head stay 16-bit. "none": off. "delayed": delayed scaling, each
+# cast's scale from an amax history, so the amax is taken in the cast kernel itself; "current": per-tensor
+# current scaling (FP8-CS, torchao's tensorwise), an amax pass over the tensor before each cast.
+# Transformer Engine's LayerNormLinear writes the norm's output in FP8 directly (the q/k/v and first MLP
+# GEMMs' inputs); the output projection's and the last MLP GEMM's inputs (the attention core's and the
+# activation's 16-bit outputs) are cast by their TE Linear, and in backward every Linear casts its output
+# gradient. A cast reads the 16-bit tensor and writes it in FP8 and transposed in FP8 (Hopper's FP8 GEMMs
+# take only the TN layout, so the wgrad GEMM needs the transposes): B + 2 bytes per element; current scaling
+# reads it once more. The FP8 weights (and their transposes) are cast once per step and cached across
+# micro-batches (TE's is_first_microbatch), so their cast is not charged per micro-batch.
+FP8 = FP8_RECIPES
 
 
 def norm_bytes(norm: str, B: int) -> float:
@@ -144,6 +159,11 @@ class Roofline:
     sharded_accumulation: bool = False
     norm: str = "fused"  # NORM
     software: str = "meshplan"  # the name these settings were made from (profiler/software.py), for reports
+    fp8: str = "none"  # FP8
+    # The device's FP8 tensor-core rates (0: none): dense peak, MAMF / peak, and the K of the MAMF shape
+    fp8_peak_flops: float = 0.0
+    fp8_gemm_fraction: float = 0.0
+    fp8_gemm_k_ref: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -172,7 +192,10 @@ class Roofline:
                    f.bool("fsdp_copies", default=True), f.str("loss", choices=LOSS, default="fp32"),
                    f.str("p2p", choices=P2P, default="overlapped"),
                    f.bool("sharded_accumulation", default=False), f.str("norm", choices=NORM, default="fused"),
-                   f.str("software", default="meshplan"))
+                   f.str("software", default="meshplan"), fp8=f.str("fp8", choices=FP8, default="none"),
+                   fp8_peak_flops=f.float("fp8_peak_flops", min=0.0, default=0.0),
+                   fp8_gemm_fraction=f.float("fp8_gemm_fraction", min=0.0, default=0.0),
+                   fp8_gemm_k_ref=f.float("fp8_gemm_k_ref", min=0.0, default=0.0))
 
     # ---- primitives ----
 
@@ -188,6 +211,16 @@ class Roofline:
                                               * self.k_efficiency(k))
         memory = self.bytes_time((m * k + k * n + m * n) * batch * self.dtype_bytes)
         return max(compute, memory, self.launch_s)
+
+    @functools.cached_property
+    def linear(self) -> Roofline:
+        """The rates the blocks' Linear GEMMs run at: FP8's under an FP8 recipe (its peak and measured MAMF,
+        1-byte operands), else these. The tile's fixed cost is the same time at twice the K rate: K0 x 2
+        (derived, as A100's in planner/cluster_spec.py)."""
+        if self.fp8 == "none":
+            return self
+        return replace(self, peak_flops=self.fp8_peak_flops, gemm_fraction=self.fp8_gemm_fraction,
+                       gemm_k0=2 * self.gemm_k0, gemm_k_ref=self.fp8_gemm_k_ref, dtype_bytes=1, fp8="none")
 
     def k_efficiency(self, k: float) -> float:
         """Each output tile pays a fixed prologue and epilogue besides its K loop: throughput ∝ K/(K + K0),
@@ -256,10 +289,29 @@ class Roofline:
         else:
             ops += [2 * f * B]  # (bias-)GELU
         if spec.position == "rope":
-            rotated = spec.rotary_dim / spec.head_dim  # GPT-NeoX rotates a part of each head
+            rotated = spec.rotated_dims / spec.head_dim  # GPT-NeoX rotates a part of each head
             ops += [2 * (q + kv) * rotated * 4 * 2]  # rotary on q and k, computed in fp32: read, write
         tokens = b * s
         return sum(self.bytes_time(tokens * o) for o in ops)
+
+    def fp8_casts(self, spec: ModelSpec, b: int, s: int, tp: int, sequence_parallel: bool) -> tuple[float, float]:
+        """(forward, backward) seconds of a block's FP8 casts under an FP8 recipe (FP8): forward, the inputs of
+        the output projection and of the last MLP GEMM (with current scaling also an amax pass over the two
+        norm outputs); backward, the output gradient of each Linear."""
+        if self.fp8 == "none":
+            return 0.0, 0.0
+        B = self.dtype_bytes
+        h, f = spec.hidden_size, spec.ffn_hidden_size / tp
+        q, kv = spec.num_heads * spec.head_dim / tp, spec.num_kv_heads * spec.head_dim / tp
+        sp = tp if sequence_parallel else 1
+        amax = B if self.fp8 == "current" else 0
+        cast = B + 2 + amax
+        gated = 2 if spec.mlp == "swiglu" else 1
+        fwd = [q * cast, f * cast] + [h / sp * amax] * 2
+        bwd = [(q + 2 * kv) * cast, h / sp * cast, gated * f * cast, h / sp * cast]
+        tokens = b * s
+        return (sum(self.bytes_time(tokens * o) for o in fwd if o > 0),
+                sum(self.bytes_time(tokens * o) for o in bwd))
 
     def layer(self, spec: ModelSpec, kind: str, b: int, s: int, tp: int,
               sequence_parallel: bool | None = None) -> tuple[float, float]:
@@ -271,9 +323,9 @@ class Roofline:
             f = spec.ffn_hidden_size
             shapes = [(T, (q + 2 * kv) / tp, h), (T, h, q / tp)]
             shapes += [(T, f / tp, h)] * (2 if spec.mlp == "swiglu" else 1) + [(T, h, f / tp)]
-            fwd = bwd = 0.0
+            fwd, bwd = self.fp8_casts(spec, b, s, tp, sp)
             for m, n, k in shapes:
-                a, g = self.gemm_fwd_bwd(m, n, k)
+                a, g = self.linear.gemm_fwd_bwd(m, n, k)
                 fwd, bwd = fwd + a, bwd + g + self.accumulate(n * k)
             af, ab = self.attention_core(spec, b, s, tp)
             el = self.elementwise(spec, b, s, tp, sp)
@@ -302,7 +354,7 @@ class Roofline:
             calls = [(T, q, h), (T, kv, h), (T, kv, h), (T, h, q)]  # wq, wk, wv, wo: separate Linears
             calls += [(T, f, h), (T, f, h), (T, h, f)] if spec.mlp == "swiglu" else [(T, f, h), (T, h, f)]
             sp = tp > 1 and self.sequence_parallel
-            return sum(self.gemm(*c) for c in calls[1::2]) + self.elementwise(spec, b, s, tp, sp)
+            return sum(self.linear.gemm(*c) for c in calls[1::2]) + self.elementwise(spec, b, s, tp, sp)
         if mode == "selective":
             return self.attention_core(spec, b, s, tp)[0]
         return 0.0

@@ -87,11 +87,12 @@ def small_enough(model: ModelSpec, seq_len: int | None = None, ranks: int = 1) -
 
 
 def profile_for(model: ModelSpec, cluster: ClusterSpec, dtype: str, *, auto_measure: bool = False,
-                seq_len: int | None = None, software: str = "meshplan") -> Profile:
+                seq_len: int | None = None, software: str = "meshplan", fp8: str = "none") -> Profile:
     """The profile `plan` uses when no --profile is given: the cached measurement of this machine, else
     (auto_measure: `plan` itself, for this host's CPUs and a small model) a quick measurement, cached;
-    else presets of the named training software (profiler/software.py)."""
-    where = local_device(cluster)
+    else presets of the named training software (profiler/software.py), with FP8 Linears if `fp8`
+    (presets only: nothing here measures FP8)."""
+    where = local_device(cluster) if fp8 == "none" else None
     if where is not None:
         from meshplan.profiler.cache import load_cached, store
         from meshplan.profiler.measure import default_config, device_name, measure_profile
@@ -114,7 +115,7 @@ def profile_for(model: ModelSpec, cluster: ClusterSpec, dtype: str, *, auto_meas
                 return preset_profile(model, cluster, dtype, **software_settings(software, dtype))
             store(profile)
             return with_cluster_links(profile, cluster)
-    return preset_profile(model, cluster, dtype, **software_settings(software, dtype))
+    return preset_profile(model, cluster, dtype, **software_settings(software, dtype), fp8=fp8)
 
 
 def measure_command(model_arg: str, cluster_arg: str, dtype: str = "bf16", seq_len: int | None = None) -> str:

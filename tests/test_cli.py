@@ -50,6 +50,10 @@ def run(capsys, *argv):
     (["llama3-8b", "--cluster", "8xa100-80gb", "--seq-len", "8192", "--software", "torchtitan", "--cp", "2",
       "--cp-mode", "all-to-all"], "--cp-mode: torchtitan does not run all-to-all"),
     (["llama3-8b", "--cluster", "8xa100-80gb", "--bogus"], "unrecognized arguments: --bogus"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--fp8", "delayed"], "--fp8: a100-80gb has no FP8 tensor cores"),
+    (["tiny", "--cluster", "2xcpu", "--fp8", "delayed"], "--fp8: cpu has no FP8 tensor cores"),
+    (["llama3-8b", "--cluster", "8xh100-80gb", "--fp8", "current", "--dtype", "fp16"], "expected --dtype bf16"),
+    (["llama3-8b", "--cluster", "8xh100-80gb", "--fp8", "e4m3"], "argument --fp8: invalid choice"),
     (["llama3-8b", "--cluster", "8xa100-80gb", "--profile", "/nonexistent/profile.json"], "profile"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv, field):
@@ -156,3 +160,27 @@ def test_preset_profile_file_carries_its_software(capsys, tmp_path):
     assert code == 0 and plan["search"]["software"] == "megatron-2021" and "--software" not in err
     assert all(p["parallel"]["zero"] == 0 and p["parallel"]["schedule"] in ("1f1b", "interleaved-1f1b")
                for p in [plan] + plan["alternatives"])
+
+
+def test_fp8_plans_are_faster_exported_and_refused_by_the_executor(capsys, tmp_path):
+    """--fp8 (Transformer Engine's recipes, costed as Megatron-Core runs them): the same pinned H100 plan
+    predicts a shorter step than bf16, the plan JSON carries the recipe, Megatron's export names it
+    (--fp8-format hybrid, --fp8-recipe tensorwise for current scaling), and the executor refuses it in one line
+    before any launch."""
+    import json
+
+    from meshplan.executor.cli import main as executor_main
+
+    pinned = ["llama3-8b", "--cluster", "8xh100-80gb", "--global-batch-size", "64", "--seq-len", "4096", "--tp", "1",
+              "--pp", "1", "--zero", "2", "--micro-batch-size", "1", "--recompute", "none", "--software", "megatron"]
+    code, out, _ = run(capsys, *pinned, "--json")
+    bf16 = json.loads(out)
+    path = tmp_path / "fp8.json"
+    code, _, _ = run(capsys, *pinned, "--fp8", "current", "-o", str(path))
+    fp8 = json.loads(path.read_text())
+    assert code == 0 and fp8["parallel"]["fp8"] == "current" and bf16["parallel"]["fp8"] == "none"
+    assert fp8["predicted"]["iteration_time_s"] < 0.8 * bf16["predicted"]["iteration_time_s"]
+    code, out, _ = run(capsys, "export", str(path), "--format", "megatron")
+    assert code == 0 and "--fp8-format hybrid" in out and "--fp8-recipe tensorwise" in out
+    assert executor_main([str(path)]) == 2
+    assert "plan.parallel.fp8: the executor trains without FP8" in capsys.readouterr().err

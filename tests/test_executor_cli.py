@@ -71,7 +71,8 @@ def test_unsupported_combination_is_refused(tmp_path, run_executor, monkeypatch)
     path = tmp_path / "plan.json"
     save_plan(make_plan(pp=2, dp=2, zero=3, schedule="zero-bubble", virtual_stages=2, num_micro_batches=4),
               str(path))
-    one_line_error(run_executor(str(path)), "plan.world_size")
+    # what no launch can run is refused first, whatever the launch's size
+    one_line_error(run_executor(str(path)), "plan.parallel.zero: zero-bubble")
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert main([str(path)]) == 2  # refused before any process group is created
 

@@ -213,3 +213,11 @@ def test_hf_config_name(tmp_path):
     (tmp_path / "mistral-7b.json").write_text(cfg)
     assert from_hf_config(str(tmp_path / "Mistral-7B" / "config.json")).name == "Mistral-7B"
     assert from_hf_config(str(tmp_path / "mistral-7b.json")).name == "mistral-7b"
+
+
+def test_rotary_dim_follows_a_changed_head():
+    """rotary_dim 0 rotates the whole head, whatever head_dim a copy of the spec gets."""
+    from dataclasses import replace
+
+    spec = replace(builtin_model("llama3-70b"), hidden_size=6144, head_dim=0, layers=())
+    assert (spec.head_dim, spec.rotary_dim, spec.rotated_dims) == (96, 0, 96)

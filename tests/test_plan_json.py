@@ -52,6 +52,9 @@ def _mutated(mutate):
     (lambda d: d["predicted"].update(mfu=None), r"plan\.predicted\.mfu: expected a number"),
     (lambda d: d["stages"][0].update(recompute_layers=9), r"plan\.stages\[0\]\.recompute_layers"),
     (lambda d: d["parallel"].update(virtual_stages=2), r"plan\.parallel\.virtual_stages"),
+    (lambda d: d["parallel"].update(fp8="mxfp8"), r"plan\.parallel\.fp8: expected one of"),
+    (lambda d: d["parallel"].update(fp8="delayed", dtype="fp32"), r"plan\.parallel\.fp8: expected 'none' with dtype"),
+    (lambda d: d["model"].update(rotary_dim=5), r"model\.rotary_dim: expected an even number"),
 ])
 def test_bad_plan_names_field(mutate, message):
     with pytest.raises(InputError, match=message):

@@ -42,3 +42,15 @@ def test_torchtitan_rows_get_the_norm_their_config_chose():
     rows = {r["id"]: r for r in ROWS}
     assert published_runs.software(rows["torchtitan_a100_70b_full_64gpu"])["norm"] == "eager-fp32"
     assert "norm" not in published_runs.software(rows["torchtitan_a100_8b_sac_op_64gpu"])
+
+
+def test_fp8_rows_run_transformer_engine_recipes():
+    """NeMo 24.07's FP8 rows ran Transformer Engine's default delayed scaling, Megatron-Bridge's "FP8-CS" rows
+    per-tensor current scaling, both on Megatron-Core; torchtitan's torchao float8 rows are not TE's and stay
+    out of the benchmark."""
+    recipes = {r["id"]: published_runs.software(r).get("fp8") for r in ROWS if r.get("fp8")}
+    assert recipes["nemo2407_llama3-8b_8gpu_fp8"] == "delayed"
+    assert recipes["mbridge2511_llama3_70b_64gpu_fp8cs"] == "current"
+    nemo = next(r for r in ROWS if r["id"] == "nemo2407_llama3-8b_8gpu_fp8")
+    assert published_runs.usable(nemo) and published_runs.SOFTWARE["nemo_perf_summary"] == "megatron"
+    assert not any(published_runs.usable(r) for r in ROWS if r.get("fp8") and r["source_key"] == "torchtitan")

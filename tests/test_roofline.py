@@ -84,6 +84,59 @@ def test_partial_rotary_moves_its_share_of_bytes():
     assert saved == pytest.approx(0.75 * 2048 * 2 * (4096 + 1024) * 4 * 2 / 1.725e12)
 
 
+def test_fp8_linears_run_at_fp8_mamf():
+    """Under an FP8 recipe a block's Linear GEMMs run at the FP8 MAMF (H100 SXM 1402.6 TFLOP/s at K = 14336,
+    against 794.5 in bf16); at K = 14336 neither K efficiency binds (bf16: 14336/(14336 + 198) x (13312 + 198)
+    /13312 > 1; FP8, K0 = 2 x 198, at its own MAMF K: 1), so a wave-filling GEMM is 1402.6/794.5 faster."""
+    from dataclasses import replace
+
+    h100 = device_roofline(parse_cluster("8xh100-80gb"), "bf16")
+    fp8 = replace(h100, fp8="delayed").linear
+    assert (fp8.peak_flops, fp8.gemm_k0, fp8.gemm_k_ref) == (1979e12, 396.0, 14336)
+    m, n, k = 132 * 256, 1024, 14336  # eight full waves of 256 x 128 tiles, compute-bound
+    assert h100.gemm(m, n, k) / fp8.gemm(m, n, k) == pytest.approx(1402.6 / 794.5)
+    assert h100.linear is h100  # no recipe: the 16-bit rates
+
+
+def test_fp8_casts_move_their_bytes():
+    """Delayed scaling (profiler/roofline.FP8): forward casts the output projection's input (q) and the last
+    MLP GEMM's input (f), backward each Linear's output gradient (q + 2kv, h, 2f for SwiGLU, h); each reads
+    2 bytes and writes FP8 and its transpose, 4 bytes per element. Current scaling reads each once more, and
+    also takes the amax of the two norm outputs (2 bytes per element each). llama3-8b, b = 1, s = 2048, one
+    H100 (2.97 TB/s achievable)."""
+    from dataclasses import replace
+
+    model = builtin_model("llama3-8b")
+    q, kv, f, h, T, bw = 4096, 1024, 14336, 4096, 2048, 2.97e12
+    h100 = device_roofline(parse_cluster("8xh100-80gb"), "bf16")
+    fwd, bwd = replace(h100, fp8="delayed").fp8_casts(model, 1, T, 1, False)
+    assert fwd == pytest.approx(T * 4 * (q + f) / bw)
+    assert bwd == pytest.approx(T * 4 * ((q + 2 * kv) + h + 2 * f + h) / bw)
+    fwd_c, bwd_c = replace(h100, fp8="current").fp8_casts(model, 1, T, 1, False)
+    assert fwd_c == pytest.approx(T * (6 * (q + f) + 2 * 2 * h) / bw)
+    assert bwd_c == pytest.approx(bwd * 6 / 4)
+    assert h100.fp8_casts(model, 1, T, 1, False) == (0.0, 0.0)
+
+
+def test_fp8_activations_and_weight_cache():
+    """Transformer Engine keeps the Linears' inputs in FP8: the two norm outputs and the last MLP GEMM's input
+    drop from 2 bytes to 1, and the output projection adds a 1-byte copy of the attention output: per token
+    -2h - f + q (llama3-8b: h = q = 4096, f = 14336). Below ZeRO-3 the FP8 weights and transposes add 2 bytes
+    per parameter."""
+    from dataclasses import replace
+
+    from meshplan.planner.cost_memory import fp8_weight_bytes, state_bytes_per_param
+
+    model, b, s = builtin_model("llama3-8b"), 1, 2048
+    delta = (layer_activation_bytes(model, "block", b, s, 1, "bf16", fp8=True)
+             - layer_activation_bytes(model, "block", b, s, 1, "bf16"))
+    assert delta == b * s * (-2 * 4096 - 14336 + 4096)
+    profile = preset_profile(model, parse_cluster("8xh100-80gb"), "bf16", fp8="delayed")
+    assert fp8_weight_bytes(profile) == 2.0 and fp8_weight_bytes(replace(profile, roofline=None)) == 0.0
+    assert state_bytes_per_param("bf16", 1, 8, fp8_weights=2.0)[0] == 2.0 + 2.0
+    assert state_bytes_per_param("bf16", 3, 8, fp8_weights=2.0)[0] == 0.0
+
+
 def test_flash_attention_rate_and_time():
     """Causal, head_dim 128: FA2 on A100 runs 155 TFLOP/s at 2k and 173 at 4k (fwd+bwd); at 3000 tokens
     the log2 interpolation gives 155 + 18·log2(3000/2048). One layer of 32 heads, b = 1, s = 2048:
