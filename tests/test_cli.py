@@ -184,3 +184,19 @@ def test_fp8_plans_are_faster_exported_and_refused_by_the_executor(capsys, tmp_p
     assert code == 0 and "--fp8-format hybrid" in out and "--fp8-recipe tensorwise" in out
     assert executor_main([str(path)]) == 2
     assert "plan.parallel.fp8: the executor trains without FP8" in capsys.readouterr().err
+
+
+def test_fp8_preset_profile_file(capsys, tmp_path):
+    """`plan profile --preset --fp8` writes the recipe into the profile; plans from it carry it, and --fp8
+    against a profile made without it is one line, exit 2."""
+    import json
+
+    path, plain = tmp_path / "fp8.json", tmp_path / "bf16.json"
+    assert main(["profile", "llama3-8b", "--cluster", "8xh100-80gb", "--preset", "--software", "megatron", "--fp8",
+                 "delayed", "-o", str(path), "--quiet"]) == 0
+    code, out, _ = run(capsys, "llama3-8b", "--cluster", "8xh100-80gb", "--global-batch-size", "64", "--profile",
+                       str(path), "--json")
+    assert code == 0 and json.loads(out)["parallel"]["fp8"] == "delayed"
+    assert main(["profile", "llama3-8b", "--cluster", "8xh100-80gb", "--preset", "-o", str(plain), "--quiet"]) == 0
+    code, _, err = run(capsys, "llama3-8b", "--cluster", "8xh100-80gb", "--profile", str(plain), "--fp8", "delayed")
+    assert code == 2 and "--fp8:" in err and len(err.strip().splitlines()) == 1
