@@ -216,6 +216,12 @@ def to_torchtitan(plan: Plan, warnings: list[str] | None = None) -> str:
     if m.arch != "llama":
         warn(f"model architecture {m.arch}: module names follow torchtitan's llama3 model (tok_embeddings, "
              "layers.N, norm, output)")
+    parts = [what for what, has in (("a parallel residual", m.parallel_residual), (f"a {m.mlp} MLP", m.mlp != "swiglu"),
+                                    ("partial rotary", m.rotated_dims < m.head_dim), ("LayerNorm", m.norm != "rmsnorm"),
+                                    ("biases", m.linear_bias)) if has]
+    if parts and m.arch != "custom":
+        warn(f"{m.name} has {', '.join(parts)}: torchtitan's llama3 model has none of these; the model must be "
+             "registered with torchtitan as it is")
     ac: dict[str, object] = {"mode": p.recompute}
     if p.recompute == "selective":
         ac["selective_ac_option"] = "op"

@@ -193,3 +193,28 @@ def test_plan_records_the_software_it_was_costed_for(tmp_path, capsys):
     assert main(["export", str(out), "--format", "torchtitan"]) == 0
     assert "costed as megatron-2022 runs it (GPU presets); for torchtitan's, plan again with --software " \
            "torchtitan" in capsys.readouterr().err
+
+
+def test_megatron_block_flags_follow_the_model_parts():
+    """Megatron-LM's defaults are GELU, LayerNorm, learned positions and biases: a GPT-NeoX block exports
+    only its rotary share (--rotary-percent) and names its parallel residual as not exportable; Qwen2's q/k/v
+    bias without other biases is --add-qkv-bias; an OPT ReLU MLP is named; a llama block keeps its four flags."""
+    from dataclasses import replace
+
+    from meshplan.planner.model_sources import builtin_model
+
+    plan = make_plan()
+    gpt = builtin_model("gpt2")
+    neox = replace(gpt, name="neox", position="rope", rotary_dim=16, parallel_residual=True, layers=())
+    for model, present, absent, warned in (
+            (neox, ["--position-embedding-type rope", "--rotary-percent 0.25"],
+             ["--swiglu", "--normalization", "--disable-bias-linear"], "parallel residual"),
+            (replace(builtin_model("llama3-8b"), name="qwen", qkv_bias=True, layers=()),
+             ["--swiglu", "--normalization RMSNorm", "--disable-bias-linear", "--add-qkv-bias"], ["--rotary-percent"],
+             None),
+            (replace(gpt, name="opt", mlp="relu", layers=()), [], ["--swiglu", "--position-embedding-type"], "ReLU")):
+        plan.model = model
+        warnings: list[str] = []
+        text = to_megatron(plan, warnings)
+        assert all(flag in text for flag in present) and not any(flag in text for flag in absent), text
+        assert warned is None or any(warned in w for w in warnings), warnings
