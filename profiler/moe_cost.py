@@ -80,6 +80,9 @@ def moe_ffn_time(roofline, spec: ModelSpec, tokens: float, tp: int, ep: int = 1,
     rows per local expert (T·top_k routed rows per rank on average, the busiest rank `imbalance` times
     that); the expert width ÷ `expert_shard` (expert_tp); the shared experts as dense GEMMs ÷tp. The
     permutation before and after the experts (gather and scatter-add of T·top_k rows) is bytes over HBM.
+    Under an FP8 recipe (profiler/roofline.FP8) the experts' and shared experts' GEMMs run at the FP8 rates
+    (Transformer Engine's grouped Linear), with their casts as a dense block's (`roofline.fp8_casts`): forward
+    the last GEMM's input, backward every GEMM's output gradient; the router stays 16-bit.
     `tokens` = T, the rank's b·s (÷tp where the feed-forward's tokens are sharded)."""
     moe = spec.moe
     assert moe is not None
@@ -89,15 +92,21 @@ def moe_ffn_time(roofline, spec: ModelSpec, tokens: float, tp: int, ep: int = 1,
     rows = imbalance * tokens * k * ep / e
     f_e = moe.expert_ffn_hidden_size / shard
     fwd, bwd = roofline.gemm_fwd_bwd(tokens, e, h)
+    lin = getattr(roofline, "linear", roofline)
     n_up = 2 if spec.mlp == "swiglu" else 1
     for m, n, kk in [(rows, f_e, h)] * n_up + [(rows, h, f_e)]:
-        fwd += roofline.gemm(m, n, kk, local)
-        bwd += roofline.gemm(m, kk, n, local) + roofline.gemm(kk, n, m, local)
-    if moe.num_shared_experts:
-        f_s = moe.shared_expert_ffn_hidden_size / tp
+        fwd += lin.gemm(m, n, kk, local)
+        bwd += lin.gemm(m, kk, n, local) + lin.gemm(kk, n, m, local)
+    f_s = moe.shared_expert_ffn_hidden_size / tp if moe.num_shared_experts else 0.0
+    if f_s:
         for m, n, kk in [(tokens, f_s, h)] * n_up + [(tokens, h, f_s)]:
-            a, g = roofline.gemm_fwd_bwd(m, n, kk)
+            a, g = lin.gemm_fwd_bwd(m, n, kk)
             fwd, bwd = fwd + a, bwd + g
+    if getattr(roofline, "fp8", "none") != "none":
+        cast = roofline.dtype_bytes + 2 + (roofline.dtype_bytes if roofline.fp8 == "current" else 0)
+        routed, shared = rows * local, tokens if f_s else 0.0
+        fwd += roofline.bytes_time(cast * (routed * f_e + shared * f_s))
+        bwd += roofline.bytes_time(cast * (routed * (n_up * f_e + h) + shared * (n_up * f_s + h)))
     permute = roofline.bytes_time(2 * 2 * imbalance * tokens * k * h * roofline.dtype_bytes)  # gather + scatter
     return fwd + permute, bwd + 2 * permute
 
@@ -114,11 +123,16 @@ def dense_ffn_time(roofline, spec: ModelSpec, tokens: float, tp: int) -> tuple[f
 
 def block_ffn_time_correction(roofline, spec: ModelSpec, tokens: float, tp: int) -> tuple[float, float]:
     """What to add to a block timed with the dense MLP's GEMMs to time the mean block of a MoE model at
-    ep = 1: phi · (MoE feed-forward − dense MLP). 0 for a dense model. The dense MLP was timed at the
-    Linear GEMMs' rates (FP8's under an FP8 recipe); the experts are timed 16-bit (FP8 experts not modelled)."""
+    ep = 1: phi · (MoE feed-forward − dense MLP). 0 for a dense model. Both at the Linear GEMMs' rates (FP8's
+    under an FP8 recipe), each with its casts."""
     phi = sparse_fraction(spec)
     if phi == 0:
         return 0.0, 0.0
     mf, mb = moe_ffn_time(roofline, spec, tokens, tp)
     df, db = dense_ffn_time(getattr(roofline, "linear", roofline), spec, tokens, tp)
+    if getattr(roofline, "fp8", "none") != "none":  # the dense MLP's casts, charged in the block's fp8_casts
+        cast = roofline.dtype_bytes + 2 + (roofline.dtype_bytes if roofline.fp8 == "current" else 0)
+        f, n_up = spec.ffn_hidden_size / tp, 2 if spec.mlp == "swiglu" else 1
+        df += roofline.bytes_time(cast * tokens * f)
+        db += roofline.bytes_time(cast * tokens * (n_up * f + spec.hidden_size))
     return phi * (mf - df), phi * (mb - db)
