@@ -38,13 +38,19 @@ PLANS = {
     # zero-bubble (ZB-V): the backward split into input and weight passes, K and V gathered again in between
     "allgather-cp2xpp2-zbv": dict(cp_mode="all-gather", cp=2, pp=2, virtual_stages=2, schedule="zero-bubble",
                                   micro_batch_size=1, num_micro_batches=4),
+    # GPT-NeoX's block: a quarter of each head rotated at its global positions, a parallel residual
+    "neox-allgather-cp2xdp2": dict(neox=True, cp_mode="all-gather", cp=2, dp=2, micro_batch_size=1,
+                                   num_micro_batches=2),
 }
 
 
-def build(mha: bool = False, cp_mode: str = "all-to-all", **kwargs):
+def build(mha: bool = False, neox: bool = False, cp_mode: str = "all-to-all", **kwargs):
     plan = make_plan(cluster="4xcpu", seq_len=32, cp_mode=cp_mode, **kwargs)
     if mha:
         plan.model = replace(builtin_model("tiny"), name="tiny-mha", num_kv_heads=4, layers=())
+    if neox:
+        plan.model = replace(builtin_model("tiny"), name="tiny-neox", norm="layernorm", mlp="gelu", linear_bias=True,
+                             parallel_residual=True, rotary_dim=4, layers=())
     return plan
 
 
