@@ -9,7 +9,7 @@ from meshplan.planner.model_spec import ModelSpec
 
 
 def activation(spec: ModelSpec):
-    """SiLU gates SwiGLU; otherwise GELU (tanh approximation, GPT-2's) or ReLU (OPT)."""
+    """SiLU gates SwiGLU; otherwise GELU (tanh approximation: GPT-2's, and GeGLU's gate in Gemma) or ReLU (OPT)."""
     if spec.mlp == "swiglu":
         return F.silu
     return F.relu if spec.mlp == "relu" else partial(F.gelu, approximate="tanh")

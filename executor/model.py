@@ -95,7 +95,7 @@ class MLP(nn.Module):
         self.act = activation(spec)
         self.w1 = nn.Linear(h, f, bias=spec.linear_bias)
         self.w2 = nn.Linear(f, h, bias=spec.linear_bias)
-        self.w3 = nn.Linear(h, f, bias=spec.linear_bias) if spec.mlp == "swiglu" else None
+        self.w3 = nn.Linear(h, f, bias=spec.linear_bias) if spec.gated_mlp else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is not None:
@@ -128,9 +128,12 @@ class Embedding(nn.Module):
         self.tok = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.pos = nn.Embedding(spec.max_seq_len, spec.hidden_size) if spec.position == "learned" else None
         self.positions: torch.Tensor | None = None  # context parallelism: global positions of the local tokens
+        self.scale = spec.hidden_size ** 0.5 if spec.embedding_scale else None  # Gemma
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok(tokens)
+        if self.scale is not None:
+            x = x * self.scale
         if self.pos is not None:
             pos = torch.arange(tokens.shape[1]) if self.positions is None else self.positions
             x = x + self.pos(pos.to(tokens.device))

@@ -114,7 +114,7 @@ class GroupedExperts(nn.Module):
         assert spec.moe is not None
         e, h, f = spec.moe.num_experts, spec.hidden_size, spec.moe.expert_ffn_hidden_size
         self.num_experts = e
-        self.swiglu = spec.mlp == "swiglu"
+        self.swiglu = spec.gated_mlp
         self.act = activation(spec)
         self.w1 = nn.Parameter(torch.empty(e, f, h))
         self.w2 = nn.Parameter(torch.empty(e, h, f))
@@ -148,7 +148,7 @@ class SharedExperts(nn.Module):
         h = spec.hidden_size
         self.w1 = nn.Linear(h, ffn, bias=False)
         self.w2 = nn.Linear(ffn, h, bias=False)
-        self.w3 = nn.Linear(h, ffn, bias=False) if spec.mlp == "swiglu" else None
+        self.w3 = nn.Linear(h, ffn, bias=False) if spec.gated_mlp else None
         self.act = activation(spec)
         self.tokens_split = False  # replicated over TP ranks that see different tokens (_local)
 

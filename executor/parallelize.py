@@ -101,7 +101,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, e
         if not moe:
             layer_plan.update({"feed_forward.w1": ColwiseParallel(),
                                "feed_forward.w2": RowwiseParallel(output_layouts=seq)})
-        if spec.mlp == "swiglu" and not moe:
+        if spec.gated_mlp and not moe:
             layer_plan["feed_forward.w3"] = ColwiseParallel()
         if sequence_parallel:
             layer_plan.update({

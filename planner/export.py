@@ -103,6 +103,9 @@ def _megatron_block(m, warn: Callable[[str], None]) -> list[tuple[str, object | 
     args: list[tuple[str, object | None]] = []
     if m.mlp == "swiglu":
         args.append(("--swiglu", None))
+    elif m.mlp == "geglu":
+        warn("GeGLU MLP: Megatron-LM's GPT has no GeGLU flag; exported with --swiglu (the same matmuls)")
+        args.append(("--swiglu", None))
     elif m.mlp == "relu":
         warn("ReLU MLP: Megatron-LM's GPT offers GELU, SwiGLU and squared ReLU; exported with its default GELU")
     if m.norm == "rmsnorm":

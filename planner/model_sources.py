@@ -100,7 +100,7 @@ def hf_model_name(path: str) -> str:
 
 
 def from_hf_config(path: str) -> ModelSpec:
-    """Read a Hugging Face config.json (gpt2, llama, mistral, qwen2, gpt_neox, opt, falcon, starcoder2, phi3;
+    """Read a Hugging Face config.json (gpt2, llama, mistral, qwen2, gpt_neox, opt, falcon, starcoder2, phi3, gemma;
     MoE: mixtral, qwen2_moe, qwen3_moe) as plain JSON: no download."""
     cfg = read_json(path, "MODEL")
     if not isinstance(cfg, dict):
@@ -250,12 +250,25 @@ def _phi3(cfg: dict, path: str, name: str) -> ModelSpec:
                        rotary_dim=_rotary_dim(path, head_dim, share))
 
 
-DENSE_READERS = {"gpt_neox": _gpt_neox, "opt": _opt, "falcon": _falcon, "starcoder2": _starcoder2, "phi3": _phi3}
+def _gemma(cfg: dict, path: str, name: str) -> ModelSpec:
+    """Gemma (1): the llama block with a GeGLU MLP (tanh-approximate GELU gate, hidden_activation), head_dim
+    256 beside the hidden size, the embedding scaled by sqrt(hidden_size), tied head. Its RMSNorm multiplies
+    by (1 + w) with w from 0: with no weight decay on norms (the executor's AdamW), the same as w from 1."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu"):
+        raise InputError(f"{path}: field 'hidden_activation': expected 'gelu_pytorch_tanh' (GeGLU), got {act!r}")
+    theta, _ = _rope(cfg, ("rope_theta",), (), 1.0)
+    return _llama_spec(dict(cfg, tie_word_embeddings=cfg.get("tie_word_embeddings", True)), path, name,
+                       max_seq_len=8192, qkv_bias=False, norm_eps=1e-6, rope_theta=theta, mlp="geglu",
+                       embedding_scale=True)
+
+
+DENSE_READERS = {"gpt_neox": _gpt_neox, "opt": _opt, "falcon": _falcon, "starcoder2": _starcoder2, "phi3": _phi3,
+                 "gemma": _gemma}
 # Dense configs with parts this ModelSpec cannot describe, refused by name.
 UNREADABLE_DENSE_TYPES = {
     "bloom": "ALiBi attention and the embedding LayerNorm are not modelled (a gpt2 config of the same sizes "
              "plans the same compute)",
-    "gemma": "its scaled embedding and GeGLU MLP are not modelled",
     "gemma2": "logit soft-capping, alternating sliding windows and post-norms are not modelled",
     "gemma3": "alternating sliding windows and post-norms are not modelled",
     "olmo2": "post-norm blocks and q/k norms over the whole projection are not modelled",

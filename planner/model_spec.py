@@ -13,8 +13,10 @@ from meshplan.planner.fields import Fields
 
 LAYER_KINDS = ("embedding", "block", "head")
 ARCHS = ("gpt2", "llama", "custom")
-# The MLP: "gelu" and "relu" are two matmuls around the activation; "swiglu" is gated (three matmuls).
-MLPS = ("gelu", "relu", "swiglu")
+# The MLP: "gelu" and "relu" are two matmuls around the activation; "swiglu" and "geglu" (Gemma) are gated,
+# act(w1 x) * w3 x, three matmuls.
+MLPS = ("gelu", "relu", "swiglu", "geglu")
+GATED_MLPS = ("swiglu", "geglu")
 
 
 @dataclass(frozen=True)
@@ -111,9 +113,10 @@ class ModelSpec:
     arch "gpt2": LayerNorm, GELU MLP, learned positions, biases everywhere.
     arch "llama": RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention, no biases
     (qwen2 adds a q/k/v bias). arch "custom": a user `module:factory`; dimensions are best-effort.
-    The other fields vary the parts: `mlp` "relu" (OPT), `parallel_residual` (GPT-NeoX, Falcon: attention
-    and MLP both read the block input, each through its own norm, and add to it), `rotary_dim` (GPT-NeoX
-    rotates the first 25 % of each head's dimensions; 0: all of them).
+    The other fields vary the parts: `mlp` "relu" (OPT) or "geglu" (Gemma), `parallel_residual` (GPT-NeoX,
+    Falcon: attention and MLP both read the block input, each through its own norm, and add to it),
+    `rotary_dim` (GPT-NeoX rotates the first 25 % of each head's dimensions; 0: all of them),
+    `embedding_scale` (Gemma multiplies the embedding by sqrt(hidden_size)).
     """
 
     name: str
@@ -140,6 +143,7 @@ class ModelSpec:
     moe: MoESpec | None = None  # None: dense
     parallel_residual: bool = False
     rotary_dim: int = 0  # 0: the whole head (`rotated_dims`)
+    embedding_scale: bool = False  # the embedding output times sqrt(hidden_size) (Gemma)
 
     def __post_init__(self) -> None:
         if self.head_dim == 0 and self.num_heads > 0:
@@ -149,6 +153,11 @@ class ModelSpec:
                              f"{self.head_dim}, got {self.rotary_dim}")
         if not self.layers:
             object.__setattr__(self, "layers", tuple(standard_layers(self)))
+
+    @property
+    def gated_mlp(self) -> bool:
+        """A gated MLP (SwiGLU, GeGLU): three matmuls, act(w1 x) * w3 x."""
+        return self.mlp in GATED_MLPS
 
     @property
     def rotated_dims(self) -> int:
@@ -218,6 +227,7 @@ class ModelSpec:
             moe=None if data.get("moe") is None else MoESpec.from_dict(f.obj("moe").data, f"{path}.moe"),
             parallel_residual=f.bool("parallel_residual", default=False),
             rotary_dim=f.int("rotary_dim", min=0, default=0),
+            embedding_scale=f.bool("embedding_scale", default=False),
         )
         if "num_parameters" in data and f.int("num_parameters", min=0) != spec.num_parameters:
             raise InputError(
@@ -253,7 +263,7 @@ def vocab_shard(spec: ModelSpec, tp: int) -> int:
 def mlp_params(spec: ModelSpec, ffn: int) -> int:
     """Weights of one MLP (or one expert) of hidden size `ffn`, biases included for gpt2."""
     h = spec.hidden_size
-    swiglu = spec.mlp == "swiglu"
+    swiglu = spec.gated_mlp
     weights = (3 if swiglu else 2) * h * ffn
     return weights + ((2 * ffn if swiglu else ffn) + h if spec.linear_bias else 0)
 

@@ -87,13 +87,13 @@ def layer_activation_bytes(spec: ModelSpec, kind: str, b: int, s: int, tp: int =
                                                     unfused_attention, sharded_inputs) for r in ("none", "full"))
         if recompute == "selective" and selective == "every-second-mm":
             q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-            w2 = h if spec.mlp == "swiglu" else 0.0  # w2 is the 7th matmul after w1, w3 (GELU: the 6th)
+            w2 = h if spec.gated_mlp else 0.0  # w2 is the 7th matmul after w1, w3 (GELU: the 6th)
             kept = h / sp + (2 * q_dim + kv_dim + spec.ffn_hidden_size) / tp + w2 + (2 * h / sp if sp > 1 else 0)
             return tokens * (kept * B + 4.0 * spec.num_heads / tp)
         q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         lse = 0.0 if recompute == "selective" else 4.0 * spec.num_heads / tp
         mlp = block_ffn_activation_values(spec, B)  # dense: 4f SwiGLU, 2f GELU; MoE: profiler/moe_cost.py
-        if sharded_inputs and spec.mlp == "swiglu" and spec.moe is None:
+        if sharded_inputs and spec.gated_mlp and spec.moe is None:
             mlp -= spec.ffn_hidden_size  # Megatron-LM's fused SwiGLU keeps its input only: 3f
         norm_out = h * (1 if fp8 else B) / (sp if sharded_inputs else 1)
         norm_inputs = 1 if spec.parallel_residual else 2  # parallel residual: both norms read the block input

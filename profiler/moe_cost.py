@@ -24,7 +24,7 @@ def sparse_fraction(spec: ModelSpec) -> float:
 
 
 def _mlp_mats(spec: ModelSpec, ffn: int) -> float:
-    return (3 if spec.mlp == "swiglu" else 2) * spec.hidden_size * ffn
+    return (3 if spec.gated_mlp else 2) * spec.hidden_size * ffn
 
 
 def routed_mats(spec: ModelSpec) -> float:
@@ -57,7 +57,7 @@ def block_ffn_activation_values(spec: ModelSpec, dtype_bytes: int) -> float:
     reads its result), SwiGLU 4f (analytic.layer_activation_bytes). MoE (executor/moe.py): per routed copy the
     gathered input row and the expert's output (2h) and the expert MLP's intermediates; the router's fp32
     logits and scores (2·E·4 bytes); the shared experts' intermediates and, with a gate, its input."""
-    per_f = {"swiglu": 4, "relu": 1}.get(spec.mlp, 2)
+    per_f = 4 if spec.gated_mlp else 1 if spec.mlp == "relu" else 2
     dense = per_f * spec.ffn_hidden_size
     phi = sparse_fraction(spec)
     if phi == 0:
@@ -93,7 +93,7 @@ def moe_ffn_time(roofline, spec: ModelSpec, tokens: float, tp: int, ep: int = 1,
     f_e = moe.expert_ffn_hidden_size / shard
     fwd, bwd = roofline.gemm_fwd_bwd(tokens, e, h)
     lin = getattr(roofline, "linear", roofline)
-    n_up = 2 if spec.mlp == "swiglu" else 1
+    n_up = 2 if spec.gated_mlp else 1
     for m, n, kk in [(rows, f_e, h)] * n_up + [(rows, h, f_e)]:
         fwd += lin.gemm(m, n, kk, local)
         bwd += lin.gemm(m, kk, n, local) + lin.gemm(kk, n, m, local)
@@ -115,7 +115,7 @@ def dense_ffn_time(roofline, spec: ModelSpec, tokens: float, tp: int) -> tuple[f
     """(forward, backward) of the dense MLP's GEMMs (roofline.layer's shapes)."""
     f, h = spec.ffn_hidden_size / tp, spec.hidden_size
     fwd = bwd = 0.0
-    for m, n, k in [(tokens, f, h)] * (2 if spec.mlp == "swiglu" else 1) + [(tokens, h, f)]:
+    for m, n, k in [(tokens, f, h)] * (2 if spec.gated_mlp else 1) + [(tokens, h, f)]:
         a, g = roofline.gemm_fwd_bwd(m, n, k)
         fwd, bwd = fwd + a, bwd + g
     return fwd, bwd
@@ -132,7 +132,7 @@ def block_ffn_time_correction(roofline, spec: ModelSpec, tokens: float, tp: int)
     df, db = dense_ffn_time(getattr(roofline, "linear", roofline), spec, tokens, tp)
     if getattr(roofline, "fp8", "none") != "none":  # the dense MLP's casts, charged in the block's fp8_casts
         cast = roofline.dtype_bytes + 2 + (roofline.dtype_bytes if roofline.fp8 == "current" else 0)
-        f, n_up = spec.ffn_hidden_size / tp, 2 if spec.mlp == "swiglu" else 1
+        f, n_up = spec.ffn_hidden_size / tp, 2 if spec.gated_mlp else 1
         df += roofline.bytes_time(cast * tokens * f)
         db += roofline.bytes_time(cast * tokens * (n_up * f + spec.hidden_size))
     return phi * (mf - df), phi * (mb - db)

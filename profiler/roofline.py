@@ -284,8 +284,8 @@ class Roofline:
             ops += [(3 * h * B + h) / sp] * 2
         else:  # residual adds
             ops += [3 * h * B / sp] * 2
-        if spec.mlp == "swiglu":
-            ops += [2 * f * B, 3 * f * B]  # SiLU(w1 x); its product with w3 x
+        if spec.gated_mlp:
+            ops += [2 * f * B, 3 * f * B]  # SiLU or GELU of w1 x; its product with w3 x
         else:
             ops += [2 * f * B]  # (bias-)GELU
         if spec.position == "rope":
@@ -306,7 +306,7 @@ class Roofline:
         sp = tp if sequence_parallel else 1
         amax = B if self.fp8 == "current" else 0
         cast = B + 2 + amax
-        gated = 2 if spec.mlp == "swiglu" else 1
+        gated = 2 if spec.gated_mlp else 1
         fwd = [q * cast, f * cast] + [h / sp * amax] * 2
         bwd = [(q + 2 * kv) * cast, h / sp * cast, gated * f * cast, h / sp * cast]
         tokens = b * s
@@ -322,7 +322,7 @@ class Roofline:
             q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
             f = spec.ffn_hidden_size
             shapes = [(T, (q + 2 * kv) / tp, h), (T, h, q / tp)]
-            shapes += [(T, f / tp, h)] * (2 if spec.mlp == "swiglu" else 1) + [(T, h, f / tp)]
+            shapes += [(T, f / tp, h)] * (2 if spec.gated_mlp else 1) + [(T, h, f / tp)]
             fwd, bwd = self.fp8_casts(spec, b, s, tp, sp)
             for m, n, k in shapes:
                 a, g = self.linear.gemm_fwd_bwd(m, n, k)
@@ -338,8 +338,8 @@ class Roofline:
             norm = self.bytes_time(T * norm_bytes(self.norm, B) * h / (tp if sp else 1))
             fwd, bwd = loss_bytes(self.loss, B)
             return a + norm + self.bytes_time(T * V * fwd), g + 2 * norm + self.bytes_time(T * V * bwd)
-        if kind == "embedding":
-            gather = self.bytes_time(T * (2 * h * B + 8))
+        if kind == "embedding":  # the row gather (and Gemma's scaling, in place of a second pass: read, write)
+            gather = self.bytes_time(T * ((4 if spec.embedding_scale else 2) * h * B + 8))
             return gather, 2 * gather + self.accumulate(vocab_shard(spec, tp) * h)
         raise ValueError(f"unknown layer kind {kind!r}")
 
@@ -352,7 +352,7 @@ class Roofline:
             T, h, f = b * s, spec.hidden_size, spec.ffn_hidden_size / tp
             q, kv = spec.num_heads * spec.head_dim / tp, spec.num_kv_heads * spec.head_dim / tp
             calls = [(T, q, h), (T, kv, h), (T, kv, h), (T, h, q)]  # wq, wk, wv, wo: separate Linears
-            calls += [(T, f, h), (T, f, h), (T, h, f)] if spec.mlp == "swiglu" else [(T, f, h), (T, h, f)]
+            calls += [(T, f, h), (T, f, h), (T, h, f)] if spec.gated_mlp else [(T, f, h), (T, h, f)]
             sp = tp > 1 and self.sequence_parallel
             return sum(self.linear.gemm(*c) for c in calls[1::2]) + self.elementwise(spec, b, s, tp, sp)
         if mode == "selective":

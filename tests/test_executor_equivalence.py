@@ -42,6 +42,9 @@ PLANS = {  # the issue's eight shapes first, then other schedule x zero x recomp
     "neox-pp2xtp2-sp": dict(model="neox", pp=2, tp=2, sequence_parallel=True, micro_batch_size=2,
                             num_micro_batches=2),
     "opt-dp2xtp2-zero3": dict(model="opt", dp=2, tp=2, zero=3, micro_batch_size=2, num_micro_batches=2),
+    # and Gemma's (GeGLU, scaled embedding, heads wider than hidden / heads)
+    "gemma-pp2xtp2-sp": dict(model="gemma", pp=2, tp=2, sequence_parallel=True, micro_batch_size=2,
+                             num_micro_batches=2),
 }
 
 _TINY_GPT = dict(norm="layernorm", mlp="gelu", linear_bias=True, num_kv_heads=4, layers=())
@@ -49,6 +52,7 @@ MODELS = {  # variants of the tiny model
     "tied": dict(name="tiny-tied", tied_embeddings=True, layers=()),
     "neox": dict(_TINY_GPT, name="tiny-neox", parallel_residual=True, rotary_dim=4),
     "opt": dict(_TINY_GPT, name="tiny-opt", mlp="relu", position="learned", tied_embeddings=True),
+    "gemma": dict(name="tiny-gemma", mlp="geglu", embedding_scale=True, head_dim=32, tied_embeddings=True, layers=()),
 }
 
 

@@ -76,6 +76,10 @@ HF_CONFIGS = {
     "opt": ({"model_type": "opt", "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
              "ffn_dim": 3072, "vocab_size": 50272, "max_position_embeddings": 2048, "do_layer_norm_before": True,
              "word_embed_proj_dim": 768, "activation_function": "relu"}, 125_239_296 - 2 * 768),
+    # google/gemma-7b: 8,537,680,896 parameters (head_dim 256 beside hidden 3072, tied head).
+    "gemma": ({"model_type": "gemma", "hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+               "num_key_value_heads": 16, "head_dim": 256, "intermediate_size": 24576, "vocab_size": 256000,
+               "max_position_embeddings": 8192, "hidden_activation": "gelu_pytorch_tanh"}, 8_537_680_896),
     # microsoft/Phi-3-mini-4k-instruct: 3,821,079,552 parameters.
     "phi3": ({"model_type": "phi3", "hidden_size": 3072, "num_hidden_layers": 32, "num_attention_heads": 32,
               "num_key_value_heads": 32, "intermediate_size": 8192, "vocab_size": 32064,

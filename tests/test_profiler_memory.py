@@ -96,6 +96,7 @@ LLAMA_SMALL = ModelSpec(name="llama-small", arch="llama", vocab_size=256, hidden
 NEOX_SMALL = replace(GPT_SMALL, name="neox-small", arch="llama", position="rope", parallel_residual=True,
                      rotary_dim=4, layers=())
 OPT_SMALL = replace(GPT_SMALL, name="opt-small", mlp="relu", layers=())
+GEMMA_SMALL = replace(LLAMA_SMALL, name="gemma-small", mlp="geglu", head_dim=32, layers=())
 
 
 def cpu_rms_norm_extra(spec: ModelSpec, kind: str, b: int, s: int, B: int, recompute: str) -> float:
@@ -108,8 +109,8 @@ def cpu_rms_norm_extra(spec: ModelSpec, kind: str, b: int, s: int, B: int, recom
     return norms * s * b * spec.hidden_size * (8 - B)
 
 
-@pytest.mark.parametrize("spec", [GPT_SMALL, LLAMA_SMALL, NEOX_SMALL, OPT_SMALL],
-                         ids=["gpt2", "llama-gqa-f3.5", "neox-parallel-residual", "opt-relu"])
+@pytest.mark.parametrize("spec", [GPT_SMALL, LLAMA_SMALL, NEOX_SMALL, OPT_SMALL, GEMMA_SMALL],
+                         ids=["gpt2", "llama-gqa-f3.5", "neox-parallel-residual", "opt-relu", "gemma-geglu-wide-heads"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("t", [1, 2])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
