@@ -226,7 +226,7 @@ def _falcon(cfg: dict, path: str, name: str) -> ModelSpec:
 
 def _starcoder2(cfg: dict, path: str, name: str) -> ModelSpec:
     """StarCoder2: LayerNorm, GELU (tanh) MLP of intermediate_size, grouped k/v heads, rotary, biases
-    (use_bias), tied head. A sliding window, if any, is not modelled (full causal attention is charged)."""
+    (use_bias), tied head. A sliding window, if any, is not modelled: full causal attention is charged and run."""
     h, heads = _cfg_int(cfg, path, "hidden_size"), _cfg_int(cfg, path, "num_attention_heads")
     theta, _ = _rope(cfg, ("rope_theta",), (), 1.0)
     return ModelSpec(
@@ -242,7 +242,8 @@ def _starcoder2(cfg: dict, path: str, name: str) -> ModelSpec:
 
 def _phi3(cfg: dict, path: str, name: str) -> ModelSpec:
     """Phi-3: the llama block with fused q/k/v and gate/up projections (the same weights), rotary over
-    partial_rotary_factor (1.0) of each head."""
+    partial_rotary_factor (1.0) of each head. A sliding window (Phi-3-mini-4k: 2047) is not modelled: full
+    causal attention is charged and run."""
     h, heads = _cfg_int(cfg, path, "hidden_size"), _cfg_int(cfg, path, "num_attention_heads")
     theta, share = _rope(cfg, ("rope_theta",), ("partial_rotary_factor",), 1.0)
     head_dim = _cfg_int(cfg, path, "head_dim", default=h // heads)

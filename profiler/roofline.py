@@ -338,7 +338,7 @@ class Roofline:
             norm = self.bytes_time(T * norm_bytes(self.norm, B) * h / (tp if sp else 1))
             fwd, bwd = loss_bytes(self.loss, B)
             return a + norm + self.bytes_time(T * V * fwd), g + 2 * norm + self.bytes_time(T * V * bwd)
-        if kind == "embedding":  # the row gather (and Gemma's scaling, in place of a second pass: read, write)
+        if kind == "embedding":  # the row gather reads and writes h values a token; Gemma's scaling, a pass more
             gather = self.bytes_time(T * ((4 if spec.embedding_scale else 2) * h * B + 8))
             return gather, 2 * gather + self.accumulate(vocab_shard(spec, tp) * h)
         raise ValueError(f"unknown layer kind {kind!r}")
