@@ -8,6 +8,7 @@ column-/row-wise as torchtitan does; head counts are read from the (possibly sha
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from functools import partial
@@ -45,6 +46,15 @@ def rotary(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None,
     return out.type_as(x)
 
 
+@functools.lru_cache(maxsize=4)
+def sliding_window_mask(s: int, window: int, device: torch.device) -> torch.Tensor:
+    """[s, s] boolean: query i attends to keys i − window < j ≤ i (Mistral's window, the query itself included).
+    One tensor per (s, window, device), shared by every layer (s² bytes: 1 GiB at 32K tokens)."""
+    i = torch.arange(s, device=device)
+    offset = i[:, None] - i[None, :]
+    return (offset >= 0) & (offset < window)
+
+
 class Attention(nn.Module):
     """`recompute_core`: selective recompute (Korthikanti et al. 2022 §4.2.2) — the attention core
     softmax(QKᵀ)V is checkpointed, so only its inputs q, k, v are kept and it runs again in backward."""
@@ -60,6 +70,7 @@ class Attention(nn.Module):
         q_dim, kv_dim = spec.num_heads * hd, spec.num_kv_heads * hd
         qkv_bias = spec.linear_bias or spec.qkv_bias
         self.head_dim = hd
+        self.window = spec.sliding_window
         self.rotary_dim = spec.rotated_dims
         self.rope_theta = spec.rope_theta if spec.position == "rope" else None
         self.wq = nn.Linear(h, q_dim, bias=qkv_bias)
@@ -82,6 +93,9 @@ class Attention(nn.Module):
             k = rotary(k, self.rope_theta, self.positions, self.rotary_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         core = partial(F.scaled_dot_product_attention, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        if 0 < self.window < s:  # a sliding window (no CP: executor/checks.py): the band below the diagonal
+            core = partial(F.scaled_dot_product_attention, attn_mask=sliding_window_mask(s, self.window, x.device),
+                           enable_gqa=k.shape[1] != q.shape[1])
         if self.recompute_core and torch.is_grad_enabled():
             core = partial(checkpoint, core, use_reentrant=False, preserve_rng_state=False)
         out = core(q, k, v) if self.cp_attention is None else self.cp_attention(core, q, k, v)

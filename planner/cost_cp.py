@@ -59,7 +59,7 @@ def causal_core_flops(model: ModelSpec, b: int, s: int, tp: int) -> float:
     """Forward FLOPs of the causal attention core over the whole sequence on one TP rank: half of
     4·b·s²·heads·head_dim (flash-attention's benchmark count; profiler/roofline.py)."""
     heads = max(1, model.num_heads // tp)
-    return 4.0 * b * s * s * heads * model.head_dim / 2
+    return 4.0 * b * model.attention_pairs(s) * heads * model.head_dim
 
 
 def attention_core_time(profile, model: ModelSpec, b: int, s: int, tp: int, cp: int, mode: str
@@ -278,6 +278,8 @@ def mode_fits(model: ModelSpec, seq: int, tp: int, cp: int, mode: str) -> bool:
     sequence parallelism each chunk splits again over tp."""
     if cp == 1:
         return True
+    if model.windowed(seq):  # the executor's CP wrappers attend causally over whole chunks, with no window
+        return False
     if (seq // cp) % tp if seq % cp == 0 else True:
         return False
     if mode != "all-to-all":

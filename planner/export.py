@@ -121,6 +121,9 @@ def _megatron_block(m, warn: Callable[[str], None]) -> list[tuple[str, object | 
     if m.parallel_residual:
         warn("parallel residual (attention and MLP side by side): Megatron-LM's GPT block is sequential; "
              "exported as sequential")
+    if m.sliding_window:
+        warn(f"sliding window of {m.sliding_window} tokens: set Megatron-Core's TransformerConfig.window_size to "
+             f"({m.sliding_window - 1}, 0) (keys i - {m.sliding_window - 1} .. i), not exported as a flag")
     return args
 
 
@@ -221,7 +224,7 @@ def to_torchtitan(plan: Plan, warnings: list[str] | None = None) -> str:
              "layers.N, norm, output)")
     parts = [what for what, has in (("a parallel residual", m.parallel_residual), (f"a {m.mlp} MLP", m.mlp != "swiglu"),
                                     ("partial rotary", m.rotated_dims < m.head_dim), ("LayerNorm", m.norm != "rmsnorm"),
-                                    ("biases", m.linear_bias)) if has]
+                                    ("biases", m.linear_bias), ("a sliding window", m.sliding_window > 0)) if has]
     if parts and m.arch != "custom":
         warn(f"{m.name} has {', '.join(parts)}: torchtitan's llama3 model has none of these; the model must be "
              "registered with torchtitan as it is")

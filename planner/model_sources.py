@@ -119,8 +119,12 @@ def from_hf_config(path: str) -> ModelSpec:
             norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
         )
     if model_type in ("llama", "mistral", "qwen2"):
+        if model_type == "qwen2" and cfg.get("use_sliding_window"):
+            raise InputError(f"{path}: field 'use_sliding_window': expected false (Qwen2's window on the layers "
+                             f"from max_window_layers on is not modelled), got true")
+        window = _window(cfg, path) if model_type == "mistral" else 0
         return _llama_spec(cfg, path, name, max_seq_len=2048, qkv_bias=model_type == "qwen2", norm_eps=1e-5,
-                           rope_theta=10000.0)
+                           rope_theta=10000.0, sliding_window=window)
     if model_type in DENSE_READERS:
         return DENSE_READERS[model_type](cfg, path, name)
     if model_type in UNREADABLE_DENSE_TYPES:
@@ -143,6 +147,11 @@ def _rope(cfg: dict, theta_keys: tuple[str, ...], factor_keys: tuple[str, ...], 
     theta = next((cfg[k] for k in theta_keys if cfg.get(k) is not None), nested.get("rope_theta", 10000.0))
     share = next((cfg[k] for k in factor_keys if cfg.get(k) is not None), nested.get("partial_rotary_factor", factor))
     return float(theta), float(share)
+
+
+def _window(cfg: dict, path: str) -> int:
+    """ModelSpec.sliding_window from the config's `sliding_window` (null or absent: none)."""
+    return _cfg_int(cfg, path, "sliding_window", default=0) if cfg.get("sliding_window") is not None else 0
 
 
 def _rotary_dim(path: str, head_dim: int, share: float) -> int:
@@ -226,7 +235,7 @@ def _falcon(cfg: dict, path: str, name: str) -> ModelSpec:
 
 def _starcoder2(cfg: dict, path: str, name: str) -> ModelSpec:
     """StarCoder2: LayerNorm, GELU (tanh) MLP of intermediate_size, grouped k/v heads, rotary, biases
-    (use_bias), tied head. A sliding window, if any, is not modelled: full causal attention is charged and run."""
+    (use_bias), tied head, the config's sliding window if any."""
     h, heads = _cfg_int(cfg, path, "hidden_size"), _cfg_int(cfg, path, "num_attention_heads")
     theta, _ = _rope(cfg, ("rope_theta",), (), 1.0)
     return ModelSpec(
@@ -236,19 +245,18 @@ def _starcoder2(cfg: dict, path: str, name: str) -> ModelSpec:
         ffn_hidden_size=_cfg_int(cfg, path, "intermediate_size"),
         max_seq_len=_cfg_int(cfg, path, "max_position_embeddings", default=4096),
         tied_embeddings=bool(cfg.get("tie_word_embeddings", True)), norm_eps=float(cfg.get("norm_epsilon", 1e-5)),
-        rope_theta=theta,
+        rope_theta=theta, sliding_window=_window(cfg, path),
     )
 
 
 def _phi3(cfg: dict, path: str, name: str) -> ModelSpec:
     """Phi-3: the llama block with fused q/k/v and gate/up projections (the same weights), rotary over
-    partial_rotary_factor (1.0) of each head. A sliding window (Phi-3-mini-4k: 2047) is not modelled: full
-    causal attention is charged and run."""
+    partial_rotary_factor (1.0) of each head, the config's sliding window (Phi-3-mini-4k: 2047) if any."""
     h, heads = _cfg_int(cfg, path, "hidden_size"), _cfg_int(cfg, path, "num_attention_heads")
     theta, share = _rope(cfg, ("rope_theta",), ("partial_rotary_factor",), 1.0)
     head_dim = _cfg_int(cfg, path, "head_dim", default=h // heads)
     return _llama_spec(cfg, path, name, max_seq_len=4096, qkv_bias=False, norm_eps=1e-5, rope_theta=theta,
-                       rotary_dim=_rotary_dim(path, head_dim, share))
+                       rotary_dim=_rotary_dim(path, head_dim, share), sliding_window=_window(cfg, path))
 
 
 def _gemma(cfg: dict, path: str, name: str) -> ModelSpec:
@@ -314,9 +322,12 @@ def _moe_from_hf(cfg: dict, path: str, name: str, model_type: str) -> ModelSpec:
         router="softmax", norm_topk_prob=bool(cfg.get("norm_topk_prob", not qwen)),
         aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001 if qwen else 0.02)),
     )
+    if qwen and cfg.get("use_sliding_window"):
+        raise InputError(f"{path}: field 'use_sliding_window': expected false (Qwen's per-layer window is not "
+                         f"modelled), got true")
     return _llama_spec(cfg, path, name, max_seq_len=4096, qkv_bias=model_type == "qwen2_moe",
                        norm_eps=1e-6 if qwen else 1e-5, rope_theta=1e6 if model_type == "mixtral" else 10000.0,
-                       qk_norm=model_type == "qwen3_moe", moe=moe)
+                       qk_norm=model_type == "qwen3_moe", moe=moe, sliding_window=0 if qwen else _window(cfg, path))
 
 
 def _llama_spec(cfg: dict, path: str, name: str, *, max_seq_len: int, qkv_bias: bool, norm_eps: float,

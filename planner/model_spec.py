@@ -116,7 +116,8 @@ class ModelSpec:
     The other fields vary the parts: `mlp` "relu" (OPT) or "geglu" (Gemma), `parallel_residual` (GPT-NeoX,
     Falcon: attention and MLP both read the block input, each through its own norm, and add to it),
     `rotary_dim` (GPT-NeoX rotates the first 25 % of each head's dimensions; 0: all of them),
-    `embedding_scale` (Gemma multiplies the embedding by sqrt(hidden_size)).
+    `embedding_scale` (Gemma multiplies the embedding by sqrt(hidden_size)), `sliding_window` (Mistral v0.1,
+    StarCoder2, Phi-3: every layer attends to a window of the last w tokens).
     """
 
     name: str
@@ -144,6 +145,7 @@ class ModelSpec:
     parallel_residual: bool = False
     rotary_dim: int = 0  # 0: the whole head (`rotated_dims`)
     embedding_scale: bool = False  # the embedding output times sqrt(hidden_size) (Gemma)
+    sliding_window: int = 0  # each token attends to the last `sliding_window` tokens, itself included; 0: all
 
     def __post_init__(self) -> None:
         if self.head_dim == 0 and self.num_heads > 0:
@@ -158,6 +160,18 @@ class ModelSpec:
     def gated_mlp(self) -> bool:
         """A gated MLP (SwiGLU, GeGLU): three matmuls, act(w1 x) * w3 x."""
         return self.mlp in GATED_MLPS
+
+    def windowed(self, s: int) -> bool:
+        """Whether a sequence of s tokens is longer than the sliding window (so the window binds)."""
+        return 0 < self.sliding_window < s
+
+    def attention_pairs(self, s: int) -> float:
+        """Query-key pairs one head's causal attention over s tokens computes, counted as flash-attention's
+        benchmark counts causal work (s²/2); with a binding sliding window w, the band: s·w − w²/2."""
+        if not self.windowed(s):
+            return s * s / 2
+        w = self.sliding_window
+        return s * w - w * w / 2
 
     @property
     def rotated_dims(self) -> int:
@@ -228,6 +242,7 @@ class ModelSpec:
             parallel_residual=f.bool("parallel_residual", default=False),
             rotary_dim=f.int("rotary_dim", min=0, default=0),
             embedding_scale=f.bool("embedding_scale", default=False),
+            sliding_window=f.int("sliding_window", min=0, default=0),
         )
         if "num_parameters" in data and f.int("num_parameters", min=0) != spec.num_parameters:
             raise InputError(

@@ -13,14 +13,15 @@ def layer_forward_flops(spec: ModelSpec, kind: str, b: int, s: int, tp: int = 1)
     """Forward FLOPs of one layer on one tensor-parallel rank.
 
     Block: 2 FLOPs per multiply-add over the matmul weights (24·b·s·h² for GPT, Narayanan et al. SC'21)
-    plus attention scores and values, 4·b·s²·(heads·head_dim). Head: the logits matmul 2·b·s·h·V.
+    plus attention scores and values, 4·b·s²·(heads·head_dim) (with a binding sliding window, the band's pairs
+    in place of s²/2: ModelSpec.attention_pairs). Head: the logits matmul 2·b·s·h·V.
     Embedding: a gather; counted as 2·b·s·h so that its time is small but not zero. Backward ≈ 2×.
     """
     h, tokens = spec.hidden_size, b * s
     if kind == "block":
         q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         mats = h * (q_dim + 2 * kv_dim) + q_dim * h + block_ffn_mats(spec)  # MoE: active, mean block
-        return (2.0 * tokens * mats + 4.0 * b * s * s * q_dim) / tp
+        return (2.0 * tokens * mats + 4.0 * b * 2 * spec.attention_pairs(s) * q_dim) / tp
     if kind == "head":
         return 2.0 * tokens * h * spec.vocab_size / tp
     if kind == "embedding":

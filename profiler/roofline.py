@@ -260,8 +260,11 @@ class Roofline:
         heads = max(1, spec.num_heads // tp)
         d = spec.head_dim
         if self.attention == "flash":
-            causal = 4.0 * b * s * s * heads * d / 2  # flash-attention's benchmark count: causal is half
-            rate = self.flash_rate(s, d) * self.pace
+            # flash-attention's benchmark count (causal is half of s²); a sliding window scores its band, at the
+            # rate of a causal core as long as the window (flash-attention's local attention skips the blocks
+            # outside it)
+            causal = 4.0 * b * spec.attention_pairs(s) * heads * d
+            rate = self.flash_rate(min(s, spec.sliding_window or s), d) * self.pace
             return max(causal / rate, self.launch_s), max(2.5 * causal / rate, self.launch_s)
         batch = b * heads
         scores = batch * s * s * self.dtype_bytes

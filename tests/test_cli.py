@@ -200,3 +200,22 @@ def test_fp8_preset_profile_file(capsys, tmp_path):
     assert main(["profile", "llama3-8b", "--cluster", "8xh100-80gb", "--preset", "-o", str(plain), "--quiet"]) == 0
     code, _, err = run(capsys, "llama3-8b", "--cluster", "8xh100-80gb", "--profile", str(plain), "--fp8", "delayed")
     assert code == 2 and "--fp8:" in err and len(err.strip().splitlines()) == 1
+
+
+def test_sliding_window_keeps_context_parallelism_out(capsys, tmp_path):
+    """A sliding window narrower than the sequence: the search weighs no CP degree (the executor's CP attends
+    over whole chunks), and a pinned --cp is one line, exit 2. Mistral-7B-v0.1's config (window 4096)."""
+    import json
+
+    cfg = {"model_type": "mistral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000,
+           "max_position_embeddings": 32768, "sliding_window": 4096}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    code, out, _ = run(capsys, str(path), "--cluster", "8xh100-80gb", "--seq-len", "32768", "--global-batch-size",
+                       "8", "--json")
+    plan = json.loads(out)
+    assert code == 0 and all(p["parallel"]["cp"] == 1 for p in [plan] + plan["alternatives"])
+    assert plan["model"]["sliding_window"] == 4096
+    code, _, err = run(capsys, str(path), "--cluster", "8xh100-80gb", "--seq-len", "32768", "--cp", "2")
+    assert code == 2 and "sliding window of 4096 tokens" in err

@@ -132,3 +132,16 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("name", list(PLANS))
 def test_cp_plan_matches_single_process(results, name):
     assert_matches_reference(results, name, STEPS, SEED, rel=1e-4)
+
+
+def test_sliding_window_under_cp_is_refused():
+    """The CP wrappers attend over whole chunks: a plan whose sliding window binds is refused before start."""
+    from meshplan.executor.checks import check_supported
+    from meshplan.planner.errors import InputError
+
+    plan = build(cp=2, dp=2, micro_batch_size=1, num_micro_batches=2)
+    plan.model = replace(builtin_model("tiny"), name="tiny-window", sliding_window=8, layers=())
+    with pytest.raises(InputError, match="sliding window"):
+        check_supported(plan)
+    plan.model = replace(plan.model, sliding_window=32)  # as long as the sequence: no window binds
+    check_supported(plan)

@@ -45,6 +45,9 @@ PLANS = {  # the issue's eight shapes first, then other schedule x zero x recomp
     # and Gemma's (GeGLU, scaled embedding, heads wider than hidden / heads)
     "gemma-pp2xtp2-sp": dict(model="gemma", pp=2, tp=2, sequence_parallel=True, micro_batch_size=2,
                              num_micro_batches=2),
+    # a sliding window narrower than the sequence (Mistral v0.1's), under selective recompute
+    "window-dp2xtp2-sp-selective": dict(model="window", dp=2, tp=2, sequence_parallel=True, recompute="selective",
+                                        micro_batch_size=2, num_micro_batches=2),
 }
 
 _TINY_GPT = dict(norm="layernorm", mlp="gelu", linear_bias=True, num_kv_heads=4, layers=())
@@ -53,6 +56,7 @@ MODELS = {  # variants of the tiny model
     "neox": dict(_TINY_GPT, name="tiny-neox", parallel_residual=True, rotary_dim=4),
     "opt": dict(_TINY_GPT, name="tiny-opt", mlp="relu", position="learned", tied_embeddings=True),
     "gemma": dict(name="tiny-gemma", mlp="geglu", embedding_scale=True, head_dim=32, tied_embeddings=True, layers=()),
+    "window": dict(name="tiny-window", sliding_window=8, layers=()),
 }
 
 

@@ -78,3 +78,11 @@ def test_instrumented_steps_are_left_out_of_the_median(tmp_path):
         m.step(i + 1, 0.0, t, 10, 0, timed=timed)
     rec = m.summary(1.0, peak_tensor_bytes=123)
     assert rec["measured_iteration_time_s"] == 1.0 and rec["peak_tensor_bytes"] == 123
+
+
+def test_sliding_window_mask_is_the_band():
+    """Query i attends to keys i − w < j ≤ i: w keys, itself included (Mistral's window)."""
+    from meshplan.executor.model import sliding_window_mask
+
+    mask = sliding_window_mask(5, 2, torch.device("cpu")).int().tolist()
+    assert mask == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]

@@ -225,3 +225,15 @@ def test_rotary_dim_follows_a_changed_head():
 
     spec = replace(builtin_model("llama3-70b"), hidden_size=6144, head_dim=0, layers=())
     assert (spec.head_dim, spec.rotary_dim, spec.rotated_dims) == (96, 0, 96)
+
+
+def test_hf_sliding_windows(tmp_path):
+    """Mistral v0.1 attends over the last 4,096 tokens (its config's sliding_window; v0.2 and later: null);
+    Qwen2's per-layer window (use_sliding_window) is refused; the band's pairs replace s²/2 when it binds."""
+    v01 = dict(HF_CONFIGS["mistral"][0], sliding_window=4096)
+    spec = _read(tmp_path, v01)
+    assert spec.sliding_window == 4096 and _read(tmp_path, dict(v01, sliding_window=None)).sliding_window == 0
+    assert spec.attention_pairs(4096) == 4096 ** 2 / 2
+    assert spec.attention_pairs(32768) == 32768 * 4096 - 4096 ** 2 / 2
+    with pytest.raises(InputError, match="use_sliding_window"):
+        _read(tmp_path, dict(HF_CONFIGS["qwen2"][0], use_sliding_window=True))

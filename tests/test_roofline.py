@@ -137,6 +137,27 @@ def test_fp8_activations_and_weight_cache():
     assert state_bytes_per_param("bf16", 3, 8, fp8_weights=2.0)[0] == 0.0
 
 
+def test_sliding_window_core_scores_its_band():
+    """A sliding window w < s: the flash core computes the band, s·w − w²/2 pairs per head instead of s²/2,
+    at the measured causal rate of a w-long sequence (mistral-7b's shape: 32 heads of 128, w = 4096, s = 32768,
+    one A100); the FLOP count the CPU profiles use (analytic) drops the same way."""
+    from dataclasses import replace
+
+    from meshplan.profiler.analytic import layer_forward_flops
+
+    model = replace(builtin_model("llama3-8b"), sliding_window=4096, layers=())
+    s, w = 32768, 4096
+    fwd, bwd = A100.attention_core(model, 1, s, 1)
+    flops = 4 * (s * w - w * w / 2) * 32 * 128
+    assert fwd == pytest.approx(flops / (A100.flash_rate(w, 128) * A100.pace))
+    assert bwd == pytest.approx(2.5 * fwd)
+    full = replace(model, sliding_window=0)
+    attention = 4 * 32 * 128  # per query-key pair, forward, non-causal count (x2 pairs)
+    assert layer_forward_flops(full, "block", 1, s) - layer_forward_flops(model, "block", 1, s) == \
+        pytest.approx(attention * 2 * (s * s / 2 - (s * w - w * w / 2)))
+    assert A100.attention_core(model, 1, w, 1) == A100.attention_core(full, 1, w, 1)  # a window as long: no change
+
+
 def test_flash_attention_rate_and_time():
     """Causal, head_dim 128: FA2 on A100 runs 155 TFLOP/s at 2k and 173 at 4k (fwd+bwd); at 3000 tokens
     the log2 interpolation gives 155 + 18·log2(3000/2048). One layer of 32 heads, b = 1, s = 2048:
