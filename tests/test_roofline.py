@@ -158,6 +158,16 @@ def test_sliding_window_core_scores_its_band():
     assert A100.attention_core(model, 1, w, 1) == A100.attention_core(full, 1, w, 1)  # a window as long: no change
 
 
+def test_scaled_embedding_moves_its_pass():
+    """Gemma scales the embedding by sqrt(h): one more pass over the gathered rows, read and write, 4·h·B bytes a
+    token against the gather's 2·h·B + 8 (the token id); gemma-7b's h = 3072 in bf16, 2,048 tokens, one A100."""
+    from dataclasses import replace
+
+    model = replace(builtin_model("llama3-8b"), hidden_size=3072, embedding_scale=True, layers=())
+    fwd, _ = A100.layer(model, "embedding", 1, 2048, 1)
+    assert fwd == pytest.approx(2048 * (4 * 3072 * 2 + 8) / 1.725e12)
+
+
 def test_flash_attention_rate_and_time():
     """Causal, head_dim 128: FA2 on A100 runs 155 TFLOP/s at 2k and 173 at 4k (fwd+bwd); at 3000 tokens
     the log2 interpolation gives 155 + 18·log2(3000/2048). One layer of 32 heads, b = 1, s = 2048:
