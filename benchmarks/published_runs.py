@@ -120,7 +120,8 @@ def model_of(row: dict) -> ModelSpec:
     return replace(base, name=row["id"], hidden_size=m["hidden_size"], num_layers=m["num_layers"],
                    num_heads=m["num_heads"], num_kv_heads=m.get("num_kv_heads") or m["num_heads"],
                    ffn_hidden_size=m.get("ffn_hidden_size") or 4 * m["hidden_size"], head_dim=0,
-                   vocab_size=m["vocab_size"], max_seq_len=max(base.max_seq_len, m["seq_len"]), layers=())
+                   vocab_size=m["vocab_size"], max_seq_len=max(base.max_seq_len, m["seq_len"]),
+                   position=m.get("position", base.position), embedding_norm=m.get("embedding_norm", False), layers=())
 
 
 def megatron_flops(row: dict, batch: int, recompute: bool) -> float:

@@ -46,6 +46,25 @@ def rotary(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None,
     return out.type_as(x)
 
 
+def alibi_slopes(heads: int) -> list[float]:
+    """ALiBi's head slopes (Press et al. 2022): the geometric sequence 2^(-8i/n) over the largest power of two
+    n <= heads, and for the rest every other term of the sequence over 2n (as BLOOM builds them)."""
+    closest = 2 ** math.floor(math.log2(heads))
+    slopes = [2 ** (-8 * (i + 1) / closest) for i in range(closest)]
+    return slopes + [2 ** (-4 * (2 * i + 1) / closest) for i in range(min(closest, heads - closest))]
+
+
+@functools.lru_cache(maxsize=4)
+def alibi_bias(s: int, heads: int, first: int, local: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[local, s, s] additive scores of heads first..first+local-1 of `heads`: slope·(j − i) on and below the
+    diagonal, −inf above (causal). One tensor per shape and device, shared by every layer."""
+    slopes = torch.tensor(alibi_slopes(heads)[first:first + local], device=device, dtype=torch.float32)
+    i = torch.arange(s, device=device)
+    offset = (i[None, :] - i[:, None]).to(torch.float32)  # j − i
+    bias = slopes[:, None, None] * offset
+    return bias.masked_fill(offset > 0, float("-inf")).to(dtype)
+
+
 @functools.lru_cache(maxsize=4)
 def sliding_window_mask(s: int, window: int, device: torch.device) -> torch.Tensor:
     """[s, s] boolean: query i attends to keys i − window < j ≤ i (Mistral's window, the query itself included).
@@ -71,6 +90,8 @@ class Attention(nn.Module):
         qkv_bias = spec.linear_bias or spec.qkv_bias
         self.head_dim = hd
         self.window = spec.sliding_window
+        self.alibi_heads = spec.num_heads if spec.position == "alibi" else 0
+        self.head_offset = 0  # the first of this rank's heads (tensor parallelism: executor/parallelize.apply_tp)
         self.rotary_dim = spec.rotated_dims
         self.rope_theta = spec.rope_theta if spec.position == "rope" else None
         self.wq = nn.Linear(h, q_dim, bias=qkv_bias)
@@ -96,6 +117,9 @@ class Attention(nn.Module):
         if 0 < self.window < s:  # a sliding window (no CP: executor/checks.py): the band below the diagonal
             core = partial(F.scaled_dot_product_attention, attn_mask=sliding_window_mask(s, self.window, x.device),
                            enable_gqa=k.shape[1] != q.shape[1])
+        if self.alibi_heads:  # ALiBi (no CP: executor/checks.py): each head's linear bias, causal
+            bias = alibi_bias(s, self.alibi_heads, self.head_offset, q.shape[1], x.device, q.dtype)
+            core = partial(F.scaled_dot_product_attention, attn_mask=bias, enable_gqa=k.shape[1] != q.shape[1])
         if self.recompute_core and torch.is_grad_enabled():
             core = partial(checkpoint, core, use_reentrant=False, preserve_rng_state=False)
         out = core(q, k, v) if self.cp_attention is None else self.cp_attention(core, q, k, v)
@@ -140,6 +164,7 @@ class Embedding(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.tok = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.norm = _norm(spec) if spec.embedding_norm else None  # BLOOM's word_embeddings_layernorm
         self.pos = nn.Embedding(spec.max_seq_len, spec.hidden_size) if spec.position == "learned" else None
         self.positions: torch.Tensor | None = None  # context parallelism: global positions of the local tokens
         self.scale = spec.hidden_size ** 0.5 if spec.embedding_scale else None  # Gemma
@@ -148,6 +173,8 @@ class Embedding(nn.Module):
         x = self.tok(tokens)
         if self.scale is not None:
             x = x * self.scale
+        if self.norm is not None:
+            x = self.norm(x)
         if self.pos is not None:
             pos = torch.arange(tokens.shape[1]) if self.positions is None else self.positions
             x = x + self.pos(pos.to(tokens.device))

@@ -93,6 +93,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, e
             parallelize_module(model.embedding, tp_mesh, PrepareModuleOutput(
                 output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True))
     for block in model.blocks.values():
+        block.attention.head_offset = tp_mesh.get_local_rank() * (spec.num_heads // tp)  # ALiBi's slopes
         moe = is_moe_block(block)  # a MoE feed-forward: expert_parallel.moe_tp_plan
         layer_plan: dict = {
             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),

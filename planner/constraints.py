@@ -73,6 +73,8 @@ class Constraints:
         if model.windowed(seq):
             raise InputError(f"--cp: {model.name} attends over a sliding window of {model.sliding_window} tokens, "
                              f"which context parallelism does not run; use --cp 1 or a --seq-len up to the window")
+        if model.position == "alibi":
+            raise InputError(f"--cp: {model.name}'s ALiBi attention does not run under context parallelism; use --cp 1")
         if self.cp_mode != "all-to-all" and seq % (2 * self.cp):
             if self.cp_mode is not None or seq % self.cp:
                 raise InputError(f"--cp: {self.cp_mode or 'ring'} context parallelism splits the sequence into 2 x cp "

@@ -278,8 +278,8 @@ def mode_fits(model: ModelSpec, seq: int, tp: int, cp: int, mode: str) -> bool:
     sequence parallelism each chunk splits again over tp."""
     if cp == 1:
         return True
-    if model.windowed(seq):  # the executor's CP wrappers attend causally over whole chunks, with no window
-        return False
+    if model.windowed(seq) or model.position == "alibi":  # the executor's CP wrappers attend causally over whole
+        return False  # chunks, with no window and no bias
     if (seq // cp) % tp if seq % cp == 0 else True:
         return False
     if mode != "all-to-all":

@@ -110,6 +110,12 @@ def _megatron_block(m, warn: Callable[[str], None]) -> list[tuple[str, object | 
         warn("ReLU MLP: Megatron-LM's GPT offers GELU, SwiGLU and squared ReLU; exported with its default GELU")
     if m.norm == "rmsnorm":
         args.append(("--normalization", "RMSNorm"))
+    if m.position == "alibi":
+        warn("ALiBi positions: Megatron-LM has none (Megatron-DeepSpeed, which trained BLOOM, has "
+             "--position-embedding-type alibi); exported without position embeddings")
+        args.append(("--position-embedding-type", "none"))
+    if m.embedding_norm:
+        warn("the embedding's LayerNorm (BLOOM): Megatron-LM's GPT has none; not exported")
     if m.position == "rope":
         args.append(("--position-embedding-type", "rope"))
         if m.rotated_dims < m.head_dim:
@@ -224,7 +230,8 @@ def to_torchtitan(plan: Plan, warnings: list[str] | None = None) -> str:
              "layers.N, norm, output)")
     parts = [what for what, has in (("a parallel residual", m.parallel_residual), (f"a {m.mlp} MLP", m.mlp != "swiglu"),
                                     ("partial rotary", m.rotated_dims < m.head_dim), ("LayerNorm", m.norm != "rmsnorm"),
-                                    ("biases", m.linear_bias), ("a sliding window", m.sliding_window > 0)) if has]
+                                    ("biases", m.linear_bias), ("a sliding window", m.sliding_window > 0),
+                                    ("ALiBi", m.position == "alibi"), ("an embedding norm", m.embedding_norm)) if has]
     if parts and m.arch != "custom":
         warn(f"{m.name} has {', '.join(parts)}: torchtitan's llama3 model has none of these; the model must be "
              "registered with torchtitan as it is")

@@ -100,8 +100,8 @@ def hf_model_name(path: str) -> str:
 
 
 def from_hf_config(path: str) -> ModelSpec:
-    """Read a Hugging Face config.json (gpt2, llama, mistral, qwen2, gpt_neox, opt, falcon, starcoder2, phi3, gemma;
-    MoE: mixtral, qwen2_moe, qwen3_moe) as plain JSON: no download."""
+    """Read a Hugging Face config.json (gpt2, llama, mistral, qwen2, gpt_neox, opt, falcon, starcoder2, phi3, gemma,
+    bloom; MoE: mixtral, qwen2_moe, qwen3_moe) as plain JSON: no download."""
     cfg = read_json(path, "MODEL")
     if not isinstance(cfg, dict):
         raise InputError(f"{path}: expected a JSON object")
@@ -272,12 +272,26 @@ def _gemma(cfg: dict, path: str, name: str) -> ModelSpec:
                        embedding_scale=True)
 
 
+def _bloom(cfg: dict, path: str, name: str) -> ModelSpec:
+    """BLOOM: LayerNorm blocks (pre-norm: apply_residual_connection_post_layernorm false), a LayerNorm right after
+    the embedding, ALiBi attention, GELU (tanh) MLP of 4h, biases, tied head. ALiBi has no position limit:
+    max_seq_len is the config's seq_length (2048 if absent), which nothing enforces."""
+    _expect(cfg, path, "apply_residual_connection_post_layernorm", False, False, "post-norm residuals not modelled")
+    h = _cfg_int(cfg, path, "hidden_size", "n_embed")
+    heads = _cfg_int(cfg, path, "num_attention_heads", "n_head")
+    return ModelSpec(
+        name=name, arch="gpt2", norm="layernorm", mlp="gelu", position="alibi", linear_bias=True, embedding_norm=True,
+        vocab_size=_cfg_int(cfg, path, "vocab_size"), hidden_size=h,
+        num_layers=_cfg_int(cfg, path, "num_hidden_layers", "n_layer"), num_heads=heads, num_kv_heads=heads,
+        ffn_hidden_size=4 * h, max_seq_len=_cfg_int(cfg, path, "seq_length", default=2048),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", True)), norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+    )
+
+
 DENSE_READERS = {"gpt_neox": _gpt_neox, "opt": _opt, "falcon": _falcon, "starcoder2": _starcoder2, "phi3": _phi3,
-                 "gemma": _gemma}
+                 "gemma": _gemma, "bloom": _bloom}
 # Dense configs with parts this ModelSpec cannot describe, refused by name.
 UNREADABLE_DENSE_TYPES = {
-    "bloom": "ALiBi attention and the embedding LayerNorm are not modelled (a gpt2 config of the same sizes "
-             "plans the same compute)",
     "gemma2": "logit soft-capping, alternating sliding windows and post-norms are not modelled",
     "gemma3": "alternating sliding windows and post-norms are not modelled",
     "olmo2": "post-norm blocks and q/k norms over the whole projection are not modelled",

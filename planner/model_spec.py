@@ -17,6 +17,9 @@ ARCHS = ("gpt2", "llama", "custom")
 # act(w1 x) * w3 x, three matmuls.
 MLPS = ("gelu", "relu", "swiglu", "geglu")
 GATED_MLPS = ("swiglu", "geglu")
+# Positions: a learned table added to the embedding (GPT-2), rotary (llama), or ALiBi's per-head linear bias on
+# the attention scores (BLOOM; Press et al. 2022), no parameters.
+POSITIONS = ("learned", "rope", "alibi")
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,8 @@ class ModelSpec:
     Falcon: attention and MLP both read the block input, each through its own norm, and add to it),
     `rotary_dim` (GPT-NeoX rotates the first 25 % of each head's dimensions; 0: all of them),
     `embedding_scale` (Gemma multiplies the embedding by sqrt(hidden_size)), `sliding_window` (Mistral v0.1,
-    StarCoder2, Phi-3: every layer attends to a window of the last w tokens).
+    StarCoder2, Phi-3: every layer attends to a window of the last w tokens), `position` "alibi" and
+    `embedding_norm` (BLOOM).
     """
 
     name: str
@@ -146,6 +150,7 @@ class ModelSpec:
     rotary_dim: int = 0  # 0: the whole head (`rotated_dims`)
     embedding_scale: bool = False  # the embedding output times sqrt(hidden_size) (Gemma)
     sliding_window: int = 0  # each token attends to the last `sliding_window` tokens, itself included; 0: all
+    embedding_norm: bool = False  # a norm right after the embedding (BLOOM's word_embeddings_layernorm)
 
     def __post_init__(self) -> None:
         if self.head_dim == 0 and self.num_heads > 0:
@@ -230,7 +235,7 @@ class ModelSpec:
             tied_embeddings=f.bool("tied_embeddings", default=False),
             norm=f.str("norm", choices=("layernorm", "rmsnorm"), default="rmsnorm"),
             mlp=f.str("mlp", choices=MLPS, default="swiglu"),
-            position=f.str("position", choices=("learned", "rope"), default="rope"),
+            position=f.str("position", choices=POSITIONS, default="rope"),
             linear_bias=f.bool("linear_bias", default=False),
             qkv_bias=f.bool("qkv_bias", default=False),
             norm_eps=f.float("norm_eps", min=0.0, default=1e-5),
@@ -243,6 +248,7 @@ class ModelSpec:
             rotary_dim=f.int("rotary_dim", min=0, default=0),
             embedding_scale=f.bool("embedding_scale", default=False),
             sliding_window=f.int("sliding_window", min=0, default=0),
+            embedding_norm=f.bool("embedding_norm", default=False),
         )
         if "num_parameters" in data and f.int("num_parameters", min=0) != spec.num_parameters:
             raise InputError(
@@ -334,6 +340,7 @@ def standard_layers(spec: ModelSpec) -> list[LayerSpec]:
     """Layer list of a gpt2/llama-style model: embedding, blocks, final norm + LM head."""
     h, v = spec.hidden_size, spec.vocab_size
     embed = v * h + (spec.max_seq_len * h if spec.position == "learned" else 0)
+    embed += (2 * h if spec.norm == "layernorm" else h) if spec.embedding_norm else 0
     final_norm = 2 * h if spec.norm == "layernorm" else h
     head_weight = v * h
     layers = [LayerSpec("embedding", "embedding", embed)]

@@ -110,6 +110,6 @@ def layer_activation_bytes(spec: ModelSpec, kind: str, b: int, s: int, tp: int =
         V = vocab_shard(spec, tp)
         loss = V * B + 4.0 if fused_loss else 4.0 * V  # fused: the 16-bit logits and a log-sum-exp
         return tokens * (norm_kept + h * B / (sp if sharded_inputs else 1) + loss)
-    if kind == "embedding":
-        return 8.0 * tokens
+    if kind == "embedding":  # the token ids; an embedding norm (BLOOM) keeps its input and statistics
+        return 8.0 * tokens + (tokens * (h * B + stats) if spec.embedding_norm else 0.0)
     raise ValueError(f"unknown layer kind {kind!r}")

@@ -343,7 +343,8 @@ class Roofline:
             return a + norm + self.bytes_time(T * V * fwd), g + 2 * norm + self.bytes_time(T * V * bwd)
         if kind == "embedding":  # the row gather reads and writes h values a token; Gemma's scaling, a pass more
             gather = self.bytes_time(T * ((4 if spec.embedding_scale else 2) * h * B + 8))
-            return gather, 2 * gather + self.accumulate(vocab_shard(spec, tp) * h)
+            norm = self.bytes_time(T * norm_bytes(self.norm, B) * h) if spec.embedding_norm else 0.0  # BLOOM
+            return gather + norm, 2 * (gather + norm) + self.accumulate(vocab_shard(spec, tp) * h)
         raise ValueError(f"unknown layer kind {kind!r}")
 
     def recompute(self, spec: ModelSpec, b: int, s: int, tp: int, mode: str) -> float:

@@ -145,3 +145,22 @@ def test_sliding_window_under_cp_is_refused():
         check_supported(plan)
     plan.model = replace(plan.model, sliding_window=32)  # as long as the sequence: no window binds
     check_supported(plan)
+
+
+def test_alibi_keeps_context_parallelism_out():
+    """ALiBi's bias is not in the CP wrappers: the search weighs no CP mode for it, a pinned --cp is refused in
+    one line, and the executor refuses such a plan."""
+    from meshplan.executor.checks import check_supported
+    from meshplan.planner.cluster_spec import parse_cluster
+    from meshplan.planner.constraints import Constraints
+    from meshplan.planner.cost_cp import mode_fits
+    from meshplan.planner.errors import InputError
+
+    bloomish = replace(builtin_model("tiny"), name="tiny-bloom", position="alibi", embedding_norm=True, layers=())
+    assert not any(mode_fits(bloomish, 32, 1, 2, m) for m in ("ring", "all-gather", "all-to-all"))
+    with pytest.raises(InputError, match="ALiBi"):
+        Constraints(global_batch_size=8, seq_len=32, cp=2).validate(bloomish, parse_cluster("4xcpu"))
+    plan = build(cp=2, dp=2, micro_batch_size=1, num_micro_batches=2)
+    plan.model = bloomish
+    with pytest.raises(InputError, match="ALiBi"):
+        check_supported(plan)

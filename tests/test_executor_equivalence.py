@@ -48,6 +48,9 @@ PLANS = {  # the issue's eight shapes first, then other schedule x zero x recomp
     # a sliding window narrower than the sequence (Mistral v0.1's), under selective recompute
     "window-dp2xtp2-sp-selective": dict(model="window", dp=2, tp=2, sequence_parallel=True, recompute="selective",
                                         micro_batch_size=2, num_micro_batches=2),
+    # BLOOM's: ALiBi (each TP rank's heads keep their own slopes), the embedding's LayerNorm
+    "bloom-pp2xtp2-sp": dict(model="bloom", pp=2, tp=2, sequence_parallel=True, micro_batch_size=2,
+                             num_micro_batches=2),
 }
 
 _TINY_GPT = dict(norm="layernorm", mlp="gelu", linear_bias=True, num_kv_heads=4, layers=())
@@ -57,6 +60,7 @@ MODELS = {  # variants of the tiny model
     "opt": dict(_TINY_GPT, name="tiny-opt", mlp="relu", position="learned", tied_embeddings=True),
     "gemma": dict(name="tiny-gemma", mlp="geglu", embedding_scale=True, head_dim=32, tied_embeddings=True, layers=()),
     "window": dict(name="tiny-window", sliding_window=8, layers=()),
+    "bloom": dict(_TINY_GPT, name="tiny-bloom", position="alibi", embedding_norm=True, tied_embeddings=True),
 }
 
 

@@ -86,3 +86,18 @@ def test_sliding_window_mask_is_the_band():
 
     mask = sliding_window_mask(5, 2, torch.device("cpu")).int().tolist()
     assert mask == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]
+
+
+def test_alibi_slopes_and_bias():
+    """ALiBi (Press et al. 2022; BLOOM's build): 8 heads get 2^-1 .. 2^-8; 12 heads add every other term of the
+    16-head sequence, 2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5. The bias is slope·(j − i) on and below the diagonal and
+    −inf above, for the rank's own heads."""
+    from meshplan.executor.model import alibi_bias, alibi_slopes
+
+    assert alibi_slopes(8) == pytest.approx([2.0 ** -k for k in range(1, 9)])
+    assert alibi_slopes(12)[8:] == pytest.approx([2.0 ** -0.5, 2.0 ** -1.5, 2.0 ** -2.5, 2.0 ** -3.5])
+    bias = alibi_bias(3, 8, 2, 2, torch.device("cpu"), torch.float32)  # heads 2 and 3 of 8
+    assert bias.shape == (2, 3, 3)
+    assert bias[0].tolist() == [[0.0, float("-inf"), float("-inf")], [-0.125, 0.0, float("-inf")],
+                                [-0.25, -0.125, 0.0]]
+    assert bias[1, 2, 0].item() == -2 * 2.0 ** -4

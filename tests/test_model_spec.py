@@ -80,6 +80,9 @@ HF_CONFIGS = {
     "gemma": ({"model_type": "gemma", "hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
                "num_key_value_heads": 16, "head_dim": 256, "intermediate_size": 24576, "vocab_size": 256000,
                "max_position_embeddings": 8192, "hidden_activation": "gelu_pytorch_tanh"}, 8_537_680_896),
+    # bigscience/bloom: 176,247,271,424 parameters (ALiBi, the embedding's LayerNorm, tied head).
+    "bloom": ({"model_type": "bloom", "n_embed": 14336, "n_layer": 70, "num_attention_heads": 112,
+               "vocab_size": 250880, "apply_residual_connection_post_layernorm": False}, 176_247_271_424),
     # microsoft/Phi-3-mini-4k-instruct: 3,821,079,552 parameters.
     "phi3": ({"model_type": "phi3", "hidden_size": 3072, "num_hidden_layers": 32, "num_attention_heads": 32,
               "num_key_value_heads": 32, "intermediate_size": 8192, "vocab_size": 32064,
@@ -120,8 +123,10 @@ def test_hf_falcon_new_decoder_architecture(tmp_path):
 def test_hf_refuses_what_it_cannot_model_by_name(tmp_path):
     with pytest.raises(InputError, match="do_layer_norm_before"):
         _read(tmp_path, dict(HF_CONFIGS["opt"][0], do_layer_norm_before=False))
-    with pytest.raises(InputError, match="'bloom' is not supported yet: ALiBi"):
-        _read(tmp_path, {"model_type": "bloom"})
+    with pytest.raises(InputError, match="apply_residual_connection_post_layernorm"):
+        _read(tmp_path, dict(HF_CONFIGS["bloom"][0], apply_residual_connection_post_layernorm=True))
+    with pytest.raises(InputError, match="'gemma2' is not supported yet"):
+        _read(tmp_path, {"model_type": "gemma2"})
 
 
 def test_hf_starcoder2_layernorm_gelu_gqa_biases(tmp_path):

@@ -174,6 +174,11 @@ def test_embedding_and_head_activations():
     assert emb.activation_bytes == 8 * 2 * 16  # the int64 token ids
     head = measure_activations(spec, "head", 2, 16, 2, "fp32", CPU)
     assert head.activation_bytes > 2 * 16 * (spec.vocab_size // 2) * 4  # at least the logits shard
+    # BLOOM's embedding LayerNorm keeps its input and fp32 mean and rstd: the analytic count is what it saves
+    bloom = replace(GPT_SMALL, name="bloom-small", position="alibi", embedding_norm=True, layers=())
+    emb = measure_activations(bloom, "embedding", 2, 16, 1, "fp32", CPU)
+    assert emb.activation_bytes == layer_activation_bytes(bloom, "embedding", 2, 16, 1, "fp32") \
+        == 2 * 16 * (8 + bloom.hidden_size * 4 + 8)
 
 
 def _sequence_parallel_worker(rank: int, world: int, port: int, out_dir: str) -> None:
