@@ -19,12 +19,6 @@ def check_supported(plan: Plan) -> None:
             raise InputError(f"plan.parallel.tp: {p.tp} does not divide the model's {what} = {n}")
     if p.sequence_parallel and p.seq_len % p.tp:
         raise InputError(f"plan.parallel.seq_len: {p.seq_len} must be a multiple of tp={p.tp} with sequence parallel")
-    if p.cp > 1 and spec.position == "alibi":
-        raise InputError(f"plan.parallel.cp: {spec.name}'s ALiBi attention does not run under context parallelism "
-                         "in this executor; re-plan with --cp 1")
-    if p.cp > 1 and spec.windowed(p.seq_len):
-        raise InputError(f"plan.parallel.cp: {spec.name}'s sliding window ({spec.sliding_window} tokens) does not run "
-                         "under context parallelism in this executor; re-plan with --cp 1")
     if spec.position == "learned" and p.seq_len > spec.max_seq_len:
         raise InputError(f"plan.parallel.seq_len: {p.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}")
     if p.fp8 != "none":

@@ -58,6 +58,9 @@ def check_cp(plan: Plan) -> None:
     p, spec = plan.parallel, plan.model
     if p.cp == 1:
         return
+    if obstacle := spec.cp_obstacle(p.seq_len):
+        raise InputError(f"plan.parallel.cp: {spec.name} {obstacle}, which context parallelism does not run in this "
+                         "executor; re-plan with --cp 1")
     if p.cp_mode == "all-to-all":
         for what, n in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads)):
             if n % (p.tp * p.cp):

@@ -102,6 +102,15 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(hd, eps=spec.norm_eps) if spec.qk_norm else None
         self.k_norm = nn.RMSNorm(hd, eps=spec.norm_eps) if spec.qk_norm else None
 
+    def attention_mask(self, s: int, heads: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """What the core adds to plain causal attention over s tokens (None: nothing; no CP, ModelSpec.cp_obstacle):
+        a sliding window's band, and ALiBi's bias for this rank's `heads` heads, causal."""
+        window = sliding_window_mask(s, self.window, device) if 0 < self.window < s else None
+        if not self.alibi_heads:
+            return window
+        bias = alibi_bias(s, self.alibi_heads, self.head_offset, heads, device, dtype)
+        return bias if window is None else bias.masked_fill(~window, float("-inf"))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)  # -1: local heads under tensor parallelism
@@ -113,13 +122,9 @@ class Attention(nn.Module):
             q = rotary(q, self.rope_theta, self.positions, self.rotary_dim)
             k = rotary(k, self.rope_theta, self.positions, self.rotary_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        core = partial(F.scaled_dot_product_attention, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-        if 0 < self.window < s:  # a sliding window (no CP: executor/checks.py): the band below the diagonal
-            core = partial(F.scaled_dot_product_attention, attn_mask=sliding_window_mask(s, self.window, x.device),
-                           enable_gqa=k.shape[1] != q.shape[1])
-        if self.alibi_heads:  # ALiBi (no CP: executor/checks.py): each head's linear bias, causal
-            bias = alibi_bias(s, self.alibi_heads, self.head_offset, q.shape[1], x.device, q.dtype)
-            core = partial(F.scaled_dot_product_attention, attn_mask=bias, enable_gqa=k.shape[1] != q.shape[1])
+        mask = self.attention_mask(s, q.shape[1], q.dtype, x.device)
+        core = partial(F.scaled_dot_product_attention, attn_mask=mask, is_causal=mask is None,
+                       enable_gqa=k.shape[1] != q.shape[1])
         if self.recompute_core and torch.is_grad_enabled():
             core = partial(checkpoint, core, use_reentrant=False, preserve_rng_state=False)
         out = core(q, k, v) if self.cp_attention is None else self.cp_attention(core, q, k, v)

@@ -114,11 +114,10 @@ class GroupedExperts(nn.Module):
         assert spec.moe is not None
         e, h, f = spec.moe.num_experts, spec.hidden_size, spec.moe.expert_ffn_hidden_size
         self.num_experts = e
-        self.swiglu = spec.gated_mlp
         self.act = activation(spec)
         self.w1 = nn.Parameter(torch.empty(e, f, h))
         self.w2 = nn.Parameter(torch.empty(e, h, f))
-        self.w3 = nn.Parameter(torch.empty(e, f, h)) if self.swiglu else None
+        self.w3 = nn.Parameter(torch.empty(e, f, h)) if spec.gated_mlp else None
         self.dispatcher = None
         self.tokens_split = False  # replicated over TP ranks that route different tokens (_local)
 

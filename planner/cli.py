@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from meshplan.planner.errors import InputError, MeshplanError
-from meshplan.planner.plan import CP_MODES, DTYPES, RECOMPUTE, SCHEDULES
+from meshplan.planner.plan import CP_MODES, DTYPES, FP8_CHOICES, RECOMPUTE, SCHEDULES
 
 SUBCOMMANDS = ("profile", "show", "export", "calibrate")
 
@@ -93,7 +93,7 @@ def main_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-len", type=positive_int, metavar="S",
                    help="tokens per sequence (default: the model's maximum)")
     g.add_argument("--dtype", choices=DTYPES, default="bf16", help="training precision (default: bf16)")
-    g.add_argument("--fp8", choices=["delayed", "current"],
+    g.add_argument("--fp8", choices=FP8_CHOICES,
                    help="FP8 Linears inside bf16 training, as Transformer Engine runs them (Megatron-Core, NeMo): "
                         "delayed or current (per-tensor) scaling; GPU presets with FP8 tensor cores (H100, H200, "
                         "B200, GB200); costed as Megatron-Core runs it unless --software says otherwise. The "

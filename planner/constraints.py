@@ -70,11 +70,8 @@ class Constraints:
         seq = self.effective_seq_len(model)
         if self.cp is None or self.cp == 1:
             return
-        if model.windowed(seq):
-            raise InputError(f"--cp: {model.name} attends over a sliding window of {model.sliding_window} tokens, "
-                             f"which context parallelism does not run; use --cp 1 or a --seq-len up to the window")
-        if model.position == "alibi":
-            raise InputError(f"--cp: {model.name}'s ALiBi attention does not run under context parallelism; use --cp 1")
+        if obstacle := model.cp_obstacle(seq):
+            raise InputError(f"--cp: {model.name} {obstacle}, which context parallelism does not run; use --cp 1")
         if self.cp_mode != "all-to-all" and seq % (2 * self.cp):
             if self.cp_mode is not None or seq % self.cp:
                 raise InputError(f"--cp: {self.cp_mode or 'ring'} context parallelism splits the sequence into 2 x cp "

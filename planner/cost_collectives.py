@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.planner.candidate import Candidate, Links
-from meshplan.planner.cost_memory import STATE_BYTES
+from meshplan.planner.cost_memory import grad_bytes
 from meshplan.planner.model_spec import wrapped_unit_params
 from meshplan.profiler.analytic import DTYPE_BYTES
 
@@ -44,14 +44,6 @@ def dp_ops(zero: int, grad_reduce: str = "reduce_scatter") -> tuple[tuple[str, .
     if zero <= 2:
         return (grad_reduce, "all_gather"), ()
     return ("reduce_scatter",), ("all_gather", "all_gather")
-
-
-def grad_bytes(profile, dtype: str) -> float:
-    """Bytes per gradient element held and reduced over data parallelism: fp32 training's 4 whatever
-    the software; in mixed precision the software's (a preset's roofline), else the executor's fp32
-    (planner/cost_memory.py)."""
-    r = getattr(profile, "roofline", None)
-    return float(r.grad_bytes) if r is not None and dtype != "fp32" else STATE_BYTES["fp32"][1]
 
 
 def grad_reduce_op(profile) -> str:

@@ -278,8 +278,8 @@ def mode_fits(model: ModelSpec, seq: int, tp: int, cp: int, mode: str) -> bool:
     sequence parallelism each chunk splits again over tp."""
     if cp == 1:
         return True
-    if model.windowed(seq) or model.position == "alibi":  # the executor's CP wrappers attend causally over whole
-        return False  # chunks, with no window and no bias
+    if model.cp_obstacle(seq):
+        return False
     if (seq // cp) % tp if seq % cp == 0 else True:
         return False
     if mode != "all-to-all":

@@ -43,13 +43,12 @@ from meshplan.planner.cost_collectives import (
     GradSync,
     dp_reduction_times,
     engine_copy_time,
-    grad_bytes,
     optimizer_time,
     sharded_dp_time,
 )
 from meshplan.planner.cost_compute import compute_time
 from meshplan.planner.cost_cp import CPTerms, all_to_all_time
-from meshplan.planner.cost_memory import Workspace, fp8_weight_bytes, state_bytes_per_param
+from meshplan.planner.cost_memory import Workspace, state_bytes
 from meshplan.planner.cost_model import Terms
 from meshplan.planner.model_spec import ModelSpec, expert_params, is_sparse_block
 from meshplan.planner.topology import group_class
@@ -218,9 +217,8 @@ class _EPMixin:
             edp = max(1, dp // self.ep)
             experts = model.moe.num_experts * expert_params(model)
             ex = experts / (self.ep * self.expert_tp)
-            g, fp8 = grad_bytes(self.profile, self.dtype), fp8_weight_bytes(self.profile)
-            bytes_dp = sum(state_bytes_per_param(self.dtype, zero, dp, sync.full_grads, g, fp8))
-            bytes_edp = sum(state_bytes_per_param(self.dtype, zero, edp, sync.full_grads, g, fp8))
+            bytes_dp = sum(state_bytes(self.profile, self.dtype, zero, dp, sync.full_grads))
+            bytes_edp = sum(state_bytes(self.profile, self.dtype, zero, edp, sync.full_grads))
             in_situ = dp > 1 and self.profile.wrapper(zero) is not None
             by_params: dict[float, tuple] = {}  # sparse blocks repeat
             for i, layer in enumerate(model.layers):

@@ -32,6 +32,14 @@ from meshplan.profiler.analytic import DTYPE_BYTES
 STATE_BYTES = {"bf16": (2.0, 4.0, 12.0), "fp16": (2.0, 4.0, 12.0), "fp32": (4.0, 4.0, 8.0)}
 
 
+def grad_bytes(profile, dtype: str) -> float:
+    """Bytes per gradient element held and reduced over data parallelism: fp32 training's 4 whatever
+    the software; in mixed precision the software's (a preset's roofline), else the executor's fp32
+    (this module's docstring)."""
+    r = getattr(profile, "roofline", None)
+    return float(r.grad_bytes) if r is not None and dtype != "fp32" else STATE_BYTES["fp32"][1]
+
+
 def fp8_weight_bytes(profile) -> float:
     """Bytes per parameter of the FP8 weight cache (module docstring): 2 under an FP8 recipe, else 0."""
     r = getattr(profile, "roofline", None)
@@ -59,6 +67,11 @@ def state_bytes_per_param(dtype: str, zero: int, dp: int, accumulating: bool = F
     shard = p / shards if dtype == "fp32" else 0.0
     params = shard if zero >= 3 else p + shard + fp8_weights  # ZeRO-3 gathers per unit (gather_workspace)
     return params, (g / shards if zero >= 2 and not accumulating else g), o / shards
+
+
+def state_bytes(profile, dtype: str, zero: int, dp: int, accumulating: bool = False) -> tuple[float, float, float]:
+    """`state_bytes_per_param` as the profile's software holds it: its gradient bytes and FP8 weight cache."""
+    return state_bytes_per_param(dtype, zero, dp, accumulating, grad_bytes(profile, dtype), fp8_weight_bytes(profile))
 
 
 @dataclass

@@ -26,7 +26,6 @@ from meshplan.planner.cost_collectives import (
     GradSync,
     dp_reduction_times,
     engine_copy_time,
-    grad_bytes,
     grad_sync,
     optimizer_time,
     overlap_tax,
@@ -42,13 +41,12 @@ from meshplan.planner.cost_memory import (
     Workspace,
     activation_bytes,
     fixed_bytes,
-    fp8_weight_bytes,
     gather_workspace,
     grads_idle,
     later_moments,
     loss_grad_16bit,
     peak_memory,
-    state_bytes_per_param,
+    state_bytes,
     state_kept,
     step_transients,
 )
@@ -313,8 +311,7 @@ class Terms:
         """(state bytes, optimizer s, per-iteration DP sync s, per-micro-batch sharded DP s, per-micro-batch
         gradient reductions s) of every layer (`dp_reduction_times`)."""
         def make():
-            g = grad_bytes(self.profile, self.dtype)
-            pb, gb, ob = state_bytes_per_param(self.dtype, zero, dp, sync.full_grads, g, fp8_weight_bytes(self.profile))
+            pb, gb, ob = state_bytes(self.profile, self.dtype, zero, dp, sync.full_grads)
             by_params: dict[tuple, tuple] = {}
             out: tuple[list, list, list, list, list] = ([], [], [], [], [])
             in_situ = dp > 1 and self.profile.wrapper(zero) is not None
@@ -370,10 +367,9 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
     boundary = [root + t for t, _, _ in splits]
     inflight = [in_flight(cand.schedule, pp, v, cand.m, r) for r in range(pp)]
     moments = [grad_moments(cand.schedule, pp, v, cand.m, r) for r in range(pp)]
-    state_bytes = state_bytes_per_param(dtype, zero, dp, sync.full_grads, grad_bytes(profile, dtype),
-                                        fp8_weight_bytes(profile))
+    state_per_param = state_bytes(profile, dtype, zero, dp, sync.full_grads)
     tied = sum(layer.tied_params for layer in model.layers if layer.kind == "head")
-    fixed = fixed_bytes(pp, rank, tied / tp * sum(state_bytes),
+    fixed = fixed_bytes(pp, rank, tied / tp * sum(state_per_param),
                         gather_workspace(model, tp, dtype) if zero >= 3 and dp > 1 else 0.0)
     bubble = bubble_micro_batches(cand.schedule, pp, v, zb_ratio(sum(fwd), sum(bwd)))
     recompute = "none" if cand.recompute == "none" else ("all" if cand.recompute_pinned else "free")
@@ -387,7 +383,7 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
         ws=add_ep_buffers(add_cp_buffers(step_transients(model, cand, seq_len, dtype, rank,
                                                          loss_grad_16bit(profile)),
                                          model, cand, seq_len, dtype), model, cand, seq_len, dtype, imbalance),
-        grads_idle=grads_idle(state_bytes, moments), later=later_moments(state_bytes, moments),
+        grads_idle=grads_idle(state_per_param, moments), later=later_moments(state_per_param, moments),
         emb_inflight=[emb_in_flight(cand.schedule, pp, v, cand.m, r) for r in range(pp)],
         step_sync=step_sync_time(profile, dp * tp * pp, links), overlap_tax=overlap_tax(profile),
     )

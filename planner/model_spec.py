@@ -170,6 +170,16 @@ class ModelSpec:
         """Whether a sequence of s tokens is longer than the sliding window (so the window binds)."""
         return 0 < self.sliding_window < s
 
+    def cp_obstacle(self, s: int) -> str:
+        """Why context parallelism cannot split this model's attention over s tokens ("" when it can): the CP
+        attention wrappers (executor/context_parallel.py) attend causally over whole chunks, with no window
+        and no bias."""
+        if self.position == "alibi":
+            return "runs ALiBi attention"
+        if self.windowed(s):
+            return f"attends over a sliding window of {self.sliding_window} tokens"
+        return ""
+
     def attention_pairs(self, s: int) -> float:
         """Query-key pairs one head's causal attention over s tokens computes, counted as flash-attention's
         benchmark counts causal work (s²/2); with a binding sliding window w, the band: s·w − w²/2."""

@@ -25,6 +25,7 @@ RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("fp32", "bf16", "fp16")
 # FP8 Linears inside bf16 training (profiler/roofline.FP8): Transformer Engine's delayed or current scaling
 FP8_RECIPES = ("none", "delayed", "current")
+FP8_CHOICES = FP8_RECIPES[1:]  # what --fp8 takes (off: leave it out)
 MESH_DIMS = ["pp", "dp", "cp", "tp"]
 
 

@@ -26,7 +26,6 @@ from meshplan.planner.cluster_spec import ClusterSpec
 from meshplan.planner.constraints import Constraints
 from meshplan.planner.cost_collectives import (
     GradSync,
-    grad_bytes,
     grad_sync,
     root_hook_time,
     sharded_accumulation,
@@ -38,10 +37,9 @@ from meshplan.planner.cost_cp import cp_modes, cp_pp_pairs, cp_terms
 from meshplan.planner.cost_ep import ep_options, ep_terms, links_with_ep
 from meshplan.planner.cost_memory import (
     fixed_bytes,
-    fp8_weight_bytes,
     gather_workspace,
     grads_idle,
-    state_bytes_per_param,
+    state_bytes,
     state_kept,
 )
 from meshplan.planner.cost_model import (
@@ -441,9 +439,7 @@ class Search:
                 block_state=sum(state[i] for i in blocks),
                 block_state_min=min((state[i] for i in blocks), default=0.0),
                 ends=[(i, state[i], k) for i, k in enumerate(kinds) if k != "block"],
-                state_bytes=state_bytes_per_param(self.c.dtype, zero, dp, sync.full_grads,
-                                                  grad_bytes(self.profile, self.c.dtype),
-                                                  fp8_weight_bytes(self.profile)),
+                state_bytes=state_bytes(self.profile, self.c.dtype, zero, dp, sync.full_grads),
                 workspace=gather_workspace(self.model, tp, self.c.dtype))
         return self.terms.memo[key]
 
@@ -738,8 +734,7 @@ def infeasible_message(search: Search) -> str:
     """Exit 3: the nearest candidate, by how much it exceeds memory where, and what would make it fit."""
     near = search.nearest()
     c, dev = search.c, search.cluster.device
-    per_param = sum(state_bytes_per_param(c.dtype, 0, 1, grad=grad_bytes(search.profile, c.dtype),
-                                          fp8_weights=fp8_weight_bytes(search.profile)))
+    per_param = sum(state_bytes(search.profile, c.dtype, 0, 1))
     state = sum(layer.params for layer in search.model.layers) * per_param
     need_devices = int(-(-state // (dev.memory_bytes * (1 - c.memory_margin))))
     hints = []
@@ -814,10 +809,8 @@ def _parallel(search: Search, scored: Scored) -> ParallelConfig:
 def to_plan(search: Search, results: list[Scored], stats: SearchStats) -> Plan:
     best = results[0]
     cand, sol = best.cand, best.solution
-    pb, gb, ob = state_bytes_per_param(search.c.dtype, cand.zero, cand.dp,
-                                        grad_sync(cand, search.sharded).full_grads,
-                                        grad_bytes(search.profile, search.c.dtype),
-                                        fp8_weight_bytes(search.profile))
+    pb, gb, ob = state_bytes(search.profile, search.c.dtype, cand.zero, cand.dp,
+                             grad_sync(cand, search.sharded).full_grads)
     total = pb + gb + ob
     ev = evaluate(best.problem, sol.bounds, sol.recompute, (pb / total, gb / total, ob / total))
     stages, m = [], cand.m

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from meshplan.planner.cli import _Parser, positive_int
 from meshplan.planner.errors import InputError
-from meshplan.planner.plan import DTYPES
+from meshplan.planner.plan import DTYPES, FP8_CHOICES
 from meshplan.profiler.software import SOFTWARE
 
 _SIZE_RE = re.compile(r"^(\d+)\s*(B|KiB|MiB|GiB)?$", re.IGNORECASE)
@@ -52,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
                    help="write the preset profile (documented peak x efficiency, link datasheets) without measuring")
     p.add_argument("--software", choices=list(SOFTWARE), default="meshplan",
                    help="with --preset: the training software the GPU preset charges (default: meshplan's executor)")
-    p.add_argument("--fp8", choices=["delayed", "current"],
+    p.add_argument("--fp8", choices=FP8_CHOICES,
                    help="with --preset: FP8 Linears (Transformer Engine's delayed or current scaling)")
     p.add_argument("--quiet", action="store_true", help="no progress and no tables")
     return p

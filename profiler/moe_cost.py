@@ -92,7 +92,7 @@ def moe_ffn_time(roofline, spec: ModelSpec, tokens: float, tp: int, ep: int = 1,
     rows = imbalance * tokens * k * ep / e
     f_e = moe.expert_ffn_hidden_size / shard
     fwd, bwd = roofline.gemm_fwd_bwd(tokens, e, h)
-    lin = getattr(roofline, "linear", roofline)
+    lin = roofline.linear
     n_up = 2 if spec.gated_mlp else 1
     for m, n, kk in [(rows, f_e, h)] * n_up + [(rows, h, f_e)]:
         fwd += lin.gemm(m, n, kk, local)
@@ -102,8 +102,8 @@ def moe_ffn_time(roofline, spec: ModelSpec, tokens: float, tp: int, ep: int = 1,
         for m, n, kk in [(tokens, f_s, h)] * n_up + [(tokens, h, f_s)]:
             a, g = lin.gemm_fwd_bwd(m, n, kk)
             fwd, bwd = fwd + a, bwd + g
-    if getattr(roofline, "fp8", "none") != "none":
-        cast = roofline.dtype_bytes + 2 + (roofline.dtype_bytes if roofline.fp8 == "current" else 0)
+    cast = roofline.fp8_cast_bytes
+    if cast:
         routed, shared = rows * local, tokens if f_s else 0.0
         fwd += roofline.bytes_time(cast * (routed * f_e + shared * f_s))
         bwd += roofline.bytes_time(cast * (routed * (n_up * f_e + h) + shared * (n_up * f_s + h)))
@@ -129,9 +129,9 @@ def block_ffn_time_correction(roofline, spec: ModelSpec, tokens: float, tp: int)
     if phi == 0:
         return 0.0, 0.0
     mf, mb = moe_ffn_time(roofline, spec, tokens, tp)
-    df, db = dense_ffn_time(getattr(roofline, "linear", roofline), spec, tokens, tp)
-    if getattr(roofline, "fp8", "none") != "none":  # the dense MLP's casts, charged in the block's fp8_casts
-        cast = roofline.dtype_bytes + 2 + (roofline.dtype_bytes if roofline.fp8 == "current" else 0)
+    df, db = dense_ffn_time(roofline.linear, spec, tokens, tp)
+    cast = roofline.fp8_cast_bytes
+    if cast:  # the dense MLP's casts, charged in the block's fp8_casts
         f, n_up = spec.ffn_hidden_size / tp, 2 if spec.gated_mlp else 1
         df += roofline.bytes_time(cast * tokens * f)
         db += roofline.bytes_time(cast * tokens * (n_up * f + spec.hidden_size))

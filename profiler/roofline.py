@@ -222,6 +222,14 @@ class Roofline:
         return replace(self, peak_flops=self.fp8_peak_flops, gemm_fraction=self.fp8_gemm_fraction,
                        gemm_k0=2 * self.gemm_k0, gemm_k_ref=self.fp8_gemm_k_ref, dtype_bytes=1, fp8="none")
 
+    @property
+    def fp8_cast_bytes(self) -> float:
+        """Bytes an FP8 cast moves per element (FP8): it reads the 16-bit tensor and writes it in FP8 and
+        transposed; current scaling reads it once more for the amax. 0 without a recipe."""
+        if self.fp8 == "none":
+            return 0.0
+        return self.dtype_bytes + 2 + (self.dtype_bytes if self.fp8 == "current" else 0)
+
     def k_efficiency(self, k: float) -> float:
         """Each output tile pays a fixed prologue and epilogue besides its K loop: throughput ∝ K/(K + K0),
         relative to the MAMF shape's K (at most 1: MAMF is the measured ceiling)."""
@@ -301,14 +309,13 @@ class Roofline:
         """(forward, backward) seconds of a block's FP8 casts under an FP8 recipe (FP8): forward, the inputs of
         the output projection and of the last MLP GEMM (with current scaling also an amax pass over the two
         norm outputs); backward, the output gradient of each Linear."""
-        if self.fp8 == "none":
+        cast = self.fp8_cast_bytes
+        if not cast:
             return 0.0, 0.0
-        B = self.dtype_bytes
         h, f = spec.hidden_size, spec.ffn_hidden_size / tp
         q, kv = spec.num_heads * spec.head_dim / tp, spec.num_kv_heads * spec.head_dim / tp
         sp = tp if sequence_parallel else 1
-        amax = B if self.fp8 == "current" else 0
-        cast = B + 2 + amax
+        amax = self.dtype_bytes if self.fp8 == "current" else 0
         gated = 2 if spec.gated_mlp else 1
         fwd = [q * cast, f * cast] + [h / sp * amax] * 2
         bwd = [(q + 2 * kv) * cast, h / sp * cast, gated * f * cast, h / sp * cast]

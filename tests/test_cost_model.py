@@ -8,14 +8,13 @@ from meshplan.planner.cluster_spec import parse_cluster
 from meshplan.planner.cost_collectives import (
     dp_ops,
     dp_sync_time,
-    grad_bytes,
     optimizer_time,
     root_hook_time,
     sharded_dp_time,
     tp_comm_time,
     unhidden_share,
 )
-from meshplan.planner.cost_memory import Workspace, peak_memory, state_bytes_per_param
+from meshplan.planner.cost_memory import Workspace, grad_bytes, peak_memory, state_bytes_per_param
 from meshplan.planner.cost_model import StageProblem, build_problem, crossings, evaluate
 from meshplan.planner.cost_pipeline import (
     bubble_micro_batches,

@@ -101,3 +101,22 @@ def test_alibi_slopes_and_bias():
     assert bias[0].tolist() == [[0.0, float("-inf"), float("-inf")], [-0.125, 0.0, float("-inf")],
                                 [-0.25, -0.125, 0.0]]
     assert bias[1, 2, 0].item() == -2 * 2.0 ** -4
+
+
+def test_attention_mask_keeps_both_a_window_and_alibi():
+    """A block with a sliding window and ALiBi attends inside the window with ALiBi's bias; either alone gives
+    its own mask; neither, none (plain causal attention)."""
+    from dataclasses import replace
+
+    from meshplan.executor.model import Attention, alibi_bias, sliding_window_mask
+    from meshplan.planner.model_sources import builtin_model
+
+    tiny, cpu = builtin_model("tiny"), torch.device("cpu")
+    both = Attention(replace(tiny, position="alibi", sliding_window=2, layers=()))
+    mask = both.attention_mask(4, 4, torch.float32, cpu)
+    window = sliding_window_mask(4, 2, cpu)
+    assert torch.equal(mask[:, window], alibi_bias(4, 4, 0, 4, cpu, torch.float32)[:, window])
+    assert torch.isinf(mask[:, ~window]).all()
+    assert torch.equal(Attention(replace(tiny, sliding_window=2, layers=())).attention_mask(4, 4, torch.float32, cpu),
+                       window)
+    assert Attention(tiny).attention_mask(4, 4, torch.float32, cpu) is None
