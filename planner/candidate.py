@@ -40,9 +40,9 @@ class Links:
     pp: str
     dp: str
     cp: str = "intra_node"
-    ep: str = "intra_node"  # the worst EP group's class (planner/cost_ep.ep_link)
+    ep: str = "intra_node"  # the worst EP group's class, members per domain too (planner/cost_ep.ep_link)
     dp_local: int = 1  # fewest members of a dp x cp group inside one NVLink domain
-    cp_spread: str = ""  # the cp groups' class for all-to-all, which sends from every member across ("": cp)
+    cp_spread: str = ""  # the cp groups' class for all-to-all (topology.spread_class: "inter_node/8"; "": cp)
 
     def cp_link(self, mode: str) -> str:
         """The class context parallelism's collectives run on: its ring's, or for all-to-all (DeepSpeed-

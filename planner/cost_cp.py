@@ -111,8 +111,21 @@ def kv_block_bytes(model: ModelSpec, b: int, s: int, tp: int, cp: int, dtype: st
 
 def all_to_all_time(profile, nbytes: float, n: int, link: str) -> float:
     """One all-to-all of `nbytes` per rank over n ranks: (n − 1) steps moving (n − 1)/n of the local
-    tensor, the all-gather's factors (nccl-tests PERFORMANCE.md, alltoall busbw = algbw·(n − 1)/n)."""
-    return profile.collective_time("all_gather", nbytes, n, link)
+    tensor, the all-gather's factors (nccl-tests PERFORMANCE.md, alltoall busbw = algbw·(n − 1)/n).
+
+    `link` "inter_node/g" (g members of the group in each NVLink domain): NCCL runs an all-to-all as one
+    send and one receive per peer (nccl-tests src/alltoall.cu; NCCL docs, "Point-to-point communication:
+    all-to-all"), each over the path between the two GPUs, so of the nbytes/n chunks a rank sends, the
+    g − 1 to its own domain take NVLink and only the n − g others its NIC (with PXN or rail-matched, each
+    of the domain's NICs carries its own GPU's share). Both run at once: the slower sets the time."""
+    cls, _, local = link.partition("/")
+    g = int(local) if local else 1
+    if cls == "intra_node" or g <= 1 or n <= g:
+        return profile.collective_time("all_gather", nbytes, n, cls)
+    # all_gather's factor (n − 1)/n of M: M = nbytes·k/(n − 1) moves the k chunks of nbytes/n
+    across = profile.collective_time("all_gather", nbytes * (n - g) / (n - 1), n, cls)
+    inside = profile.collective_time("all_gather", nbytes * (g - 1) / (n - 1), n, "intra_node")
+    return max(across, inside)
 
 
 def cp_comm_time(profile, model: ModelSpec, b: int, s: int, tp: int, cp: int, mode: str, dtype: str, link: str,

@@ -17,7 +17,8 @@ each term is weighted by the sparse fraction):
   two), each moving imbalance · (T/tp) · top_k · h values per rank, (ep − 1)/ep of it off the rank: an
   all-to-all over n ranks runs with the all-gather's bus factor (n − 1)/n (nccl-tests PERFORMANCE.md), as
   planner/cost_cp.all_to_all_time times it, on the link class of the EP group as placed (intra-node when
-  the ep ranks share an NVLink domain, else the NICs). On the critical path: the dispatcher waits for its
+  the ep ranks share an NVLink domain; across domains each rank's chunks for its own domain take NVLink
+  and the rest its NIC). On the critical path: the dispatcher waits for its
   tokens (Megatron-Core overlaps only the shared experts, which this model ignores).
 - Load imbalance: the busiest EP rank receives `imbalance` times the mean rows; its all-to-alls and its
   grouped GEMMs set the pace. Default DEFAULT_IMBALANCE = 1.25, the capacity factor that Switch Transformer
@@ -51,7 +52,7 @@ from meshplan.planner.cost_cp import CPTerms, all_to_all_time
 from meshplan.planner.cost_memory import Workspace, state_bytes
 from meshplan.planner.cost_model import Terms
 from meshplan.planner.model_spec import ModelSpec, expert_params, is_sparse_block
-from meshplan.planner.topology import group_class
+from meshplan.planner.topology import spread_class
 from meshplan.profiler.analytic import DTYPE_BYTES, layer_forward_flops
 from meshplan.profiler.moe_cost import moe_ffn_time, routed_mats, sparse_fraction
 
@@ -79,8 +80,9 @@ def ep_options(model: ModelSpec, dp: int, cp: int, tp: int, ep_pin: int | None, 
 
 
 def ep_link(placer, cand: Candidate) -> str:
-    """Link class of the worst EP group as placed: the dp·cp ranks of each (pp, tp) position, dp-major and
-    cp-minor, cut into runs of ep (executor/expert_parallel.expert_meshes)."""
+    """Link class of the worst EP group as placed, with its fewest members per NVLink domain when it spans
+    domains ("inter_node/8", cost_cp.all_to_all_time): the dp·cp ranks of each (pp, tp) position,
+    dp-major and cp-minor, cut into runs of ep (executor/expert_parallel.expert_meshes)."""
     if cand.ep <= 1:
         return "intra_node"
     memo = placer.__dict__.setdefault("_ep_links", {})
@@ -88,7 +90,7 @@ def ep_link(placer, cand: Candidate) -> str:
     if key not in memo:
         ranks = placer.place(cand.pp, cand.dp, cand.tp, cand.order, cand.cp).ranks  # [pp, dp, cp, tp]
         grid = ranks.reshape(cand.pp, cand.dp * cand.cp // cand.ep, cand.ep, cand.tp)
-        memo[key] = group_class(placer.domains[grid], placer.sus[grid], 2)
+        memo[key] = spread_class(placer.domains[grid], placer.sus[grid], 2)
     return memo[key]
 
 

@@ -17,7 +17,14 @@ import numpy as np
 from meshplan.planner.candidate import Links
 from meshplan.planner.cluster_spec import ClusterSpec
 from meshplan.planner.model_spec import ModelSpec
-from meshplan.planner.topology import device_leaves, device_levels, group_class, members_per_domain, ring_exits_fit
+from meshplan.planner.topology import (
+    device_leaves,
+    device_levels,
+    group_class,
+    members_per_domain,
+    ring_exits_fit,
+    spread_class,
+)
 
 # outermost first; context-parallel groups sit between dp and tp: next to TP inside a node / NVLink domain
 # where cp·tp fits, because ring and all-to-all CP communicate every layer (planner/cost_cp.py)
@@ -80,7 +87,7 @@ class Placer:
                 return cls
 
             self._links[key] = Links(tp=ring(3), pp=group_class(dom, su, 0), dp=ring(1), cp=ring(2),
-                                     dp_local=members_per_domain(dom, (1, 2)), cp_spread=group_class(dom, su, 2))
+                                     dp_local=members_per_domain(dom, (1, 2)), cp_spread=spread_class(dom, su, 2))
         return self._links[key]
 
     def orders(self, pp: int, dp: int, tp: int, cp: int = 1) -> list[tuple[str, ...]]:

@@ -142,6 +142,17 @@ def group_class(domains: np.ndarray, sus: np.ndarray, axis: int) -> str:
     return "intra_node"
 
 
+def spread_class(domains: np.ndarray, sus: np.ndarray, axis: int) -> str:
+    """`group_class` of the groups along `axis` for collectives that send from every member to every
+    other (all-to-all), with the fewest members any group has inside one NVLink domain when they span
+    domains ("inter_node/8"): those exchange over NVLink (cost_cp.all_to_all_time)."""
+    cls = group_class(domains, sus, axis)
+    if cls == "intra_node":
+        return cls
+    local = members_per_domain(domains, (axis,))
+    return f"{cls}/{local}" if local > 1 else cls
+
+
 def groups_along(mesh: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
     """A per-rank array of a placed mesh as one row per group spanning `axes`."""
     rest = [a for a in range(mesh.ndim) if a not in axes]

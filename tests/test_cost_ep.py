@@ -7,6 +7,7 @@ from meshplan.planner.cluster_spec import parse_cluster
 from meshplan.planner.constraints import Constraints
 from meshplan.planner.cost_collectives import GradSync
 from meshplan.planner.cost_compute import model_flops_per_iteration
+from meshplan.planner.cost_cp import all_to_all_time
 from meshplan.planner.cost_ep import (
     DEFAULT_IMBALANCE,
     dispatch_bytes,
@@ -97,7 +98,23 @@ def test_ep_link_by_placement():
     placer = Placer(CLUSTER)
     qwen = dict(tp=1, pp=1, v=1, schedule="1f1b", b=1, m=1, zero=1, recompute="none", order=("pp", "dp", "tp"))
     assert ep_link(placer, Candidate(dp=16, ep=8, **qwen)) == "intra_node"
-    assert ep_link(placer, Candidate(dp=16, ep=16, **qwen)) == "inter_node"
+    assert ep_link(placer, Candidate(dp=16, ep=16, **qwen)) == "inter_node/8"  # 8 members in each node
+    assert ep_link(placer, Candidate(dp=8, ep=8, **{**qwen, "tp": 2})) == "inter_node/4"
+
+
+def test_spread_all_to_all_by_hand(profile):
+    """16 ranks, 8 per node: each rank sends 16 chunks of nbytes/16; 7 go over NVLink, 8 over its NIC."""
+    nbytes = dispatch_bytes(MIXTRAL, 4096.0, 1, "bf16", 1.0)
+    across = profile.collective_time("all_gather", nbytes * 8 / 15, 16, "inter_node")
+    inside = profile.collective_time("all_gather", nbytes * 7 / 15, 16, "intra_node")
+    _, factor = collective_factors("all_gather", 16)
+    assert nbytes * 8 / 15 * factor == pytest.approx(nbytes * 8 / 16)  # the 8 remote chunks' bytes
+    assert all_to_all_time(profile, nbytes, 16, "inter_node/8") == pytest.approx(max(across, inside))
+    flat = all_to_all_time(profile, nbytes, 16, "inter_node")  # every chunk through the NIC
+    assert flat == pytest.approx(profile.collective_time("all_gather", nbytes, 16, "inter_node"))
+    assert all_to_all_time(profile, nbytes, 16, "inter_node/8") < 0.6 * flat
+    # one member per node: everything crosses, as the flat class
+    assert all_to_all_time(profile, nbytes, 16, "inter_node/1") == pytest.approx(flat)
 
 
 def test_mfu_counts_active_flops():
@@ -135,7 +152,7 @@ def test_pinned_ep_plans_and_exports(ep8_plan):
     ds: list[str] = []
     to_deepspeed(plan, ds)
     assert any("ep_size=8" in w for w in ds)
-    text = render(plan)
+    text = " ".join(render(plan).split())  # as printed, less the terminal's line wrapping
     assert "ep 8: 1 experts per rank" in text and "EP groups" in text and "exposed all-to-all" in text
 
 
