@@ -16,8 +16,9 @@ Assumptions (documented once here):
   weights that TP replicates are neglected.
 - ZeRO-3 gathers two layers' parameters at a time (current + prefetch), the workspace term below.
 - Under an FP8 recipe (profiler/roofline.FP8) Transformer Engine caches each Linear's FP8 weight and its
-  transpose for the step: 2 B per parameter below ZeRO-3 (charged on every parameter: the 16-bit embedding
-  and head are over-counted by that much); with ZeRO-3 they live with the gathered unit and are not counted.
+  transpose for the step: 2 B per parameter of the blocks below ZeRO-3 (the embedding and the head stay
+  16-bit: Megatron-Core builds them as plain embedding / ColumnParallelLinear, not TE modules); with ZeRO-3
+  they live with the gathered unit and are not counted.
 """
 
 from __future__ import annotations
@@ -69,9 +70,12 @@ def state_bytes_per_param(dtype: str, zero: int, dp: int, accumulating: bool = F
     return params, (g / shards if zero >= 2 and not accumulating else g), o / shards
 
 
-def state_bytes(profile, dtype: str, zero: int, dp: int, accumulating: bool = False) -> tuple[float, float, float]:
-    """`state_bytes_per_param` as the profile's software holds it: its gradient bytes and FP8 weight cache."""
-    return state_bytes_per_param(dtype, zero, dp, accumulating, grad_bytes(profile, dtype), fp8_weight_bytes(profile))
+def state_bytes(profile, dtype: str, zero: int, dp: int, accumulating: bool = False, block: bool = True
+                ) -> tuple[float, float, float]:
+    """`state_bytes_per_param` as the profile's software holds it: its gradient bytes and, for a block's
+    parameters (`block`), the FP8 weight cache."""
+    fp8 = fp8_weight_bytes(profile) if block else 0.0
+    return state_bytes_per_param(dtype, zero, dp, accumulating, grad_bytes(profile, dtype), fp8)
 
 
 @dataclass

@@ -311,7 +311,8 @@ class Terms:
         """(state bytes, optimizer s, per-iteration DP sync s, per-micro-batch sharded DP s, per-micro-batch
         gradient reductions s) of every layer (`dp_reduction_times`)."""
         def make():
-            pb, gb, ob = state_bytes(self.profile, self.dtype, zero, dp, sync.full_grads)
+            per_param = {blk: sum(state_bytes(self.profile, self.dtype, zero, dp, sync.full_grads, blk))
+                         for blk in (True, False)}
             by_params: dict[tuple, tuple] = {}
             out: tuple[list, list, list, list, list] = ([], [], [], [], [])
             in_situ = dp > 1 and self.profile.wrapper(zero) is not None
@@ -324,7 +325,7 @@ class Terms:
                         sharded_dp_time(self.profile, w, self.dtype, dp, zero, link)
                     tail, reduce = dp_reduction_times(self.profile, w, self.dtype, dp, zero, link, sync)
                     by_params[key] = (
-                        w * (pb + gb + ob), optimizer_time(self.profile, w, dp, zero, tp)
+                        w * per_param[layer.kind == "block"], optimizer_time(self.profile, w, dp, zero, tp)
                         + engine_copy_time(self.profile, w, self.dtype, dp, zero, sync), tail, per_mb, reduce)
                 for lst, value in zip(out, by_params[key]):
                     lst.append(value)
@@ -369,7 +370,7 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
     moments = [grad_moments(cand.schedule, pp, v, cand.m, r) for r in range(pp)]
     state_per_param = state_bytes(profile, dtype, zero, dp, sync.full_grads)
     tied = sum(layer.tied_params for layer in model.layers if layer.kind == "head")
-    fixed = fixed_bytes(pp, rank, tied / tp * sum(state_per_param),
+    fixed = fixed_bytes(pp, rank, tied / tp * sum(state_bytes(profile, dtype, zero, dp, sync.full_grads, False)),
                         gather_workspace(model, tp, dtype) if zero >= 3 and dp > 1 else 0.0)
     bubble = bubble_micro_batches(cand.schedule, pp, v, zb_ratio(sum(fwd), sum(bwd)))
     recompute = "none" if cand.recompute == "none" else ("all" if cand.recompute_pinned else "free")

@@ -319,7 +319,7 @@ class Search:
         rec_time, rec_saving, _ = terms.recompute(b, tp, cand.recompute)
         recompute = "none" if cand.recompute == "none" else ("all" if cand.recompute_pinned else "free")
         inflight = self._inflight(cand.schedule, pp, cand.v, cand.m)
-        fixed = fixed_bytes(pp, rank, q.tied / tp * sum(agg["state_bytes"]),
+        fixed = fixed_bytes(pp, rank, q.tied / tp * agg["tied_bytes"],
                             agg["workspace"] if cand.zero >= 3 and dp > 1 else 0.0)
         limit = self.limit(cand)
         left = [limit - f for f in fixed]
@@ -440,6 +440,7 @@ class Search:
                 block_state_min=min((state[i] for i in blocks), default=0.0),
                 ends=[(i, state[i], k) for i, k in enumerate(kinds) if k != "block"],
                 state_bytes=state_bytes(self.profile, self.c.dtype, zero, dp, sync.full_grads),
+                tied_bytes=sum(state_bytes(self.profile, self.c.dtype, zero, dp, sync.full_grads, False)),
                 workspace=gather_workspace(self.model, tp, self.c.dtype))
         return self.terms.memo[key]
 

@@ -135,6 +135,13 @@ def test_fp8_activations_and_weight_cache():
     assert fp8_weight_bytes(profile) == 2.0 and fp8_weight_bytes(replace(profile, roofline=None)) == 0.0
     assert state_bytes_per_param("bf16", 1, 8, fp8_weights=2.0)[0] == 2.0 + 2.0
     assert state_bytes_per_param("bf16", 3, 8, fp8_weights=2.0)[0] == 0.0
+    # per layer: the blocks' Linears carry the cache, the 16-bit embedding and head do not
+    from meshplan.planner.cost_model import Terms
+    state = Terms(model, profile, s, "bf16").per_layer(1, 8, 1, "inter_node")[0]
+    bf16 = Terms(model, replace(profile, roofline=replace(profile.roofline, fp8="none")), s, "bf16"
+                 ).per_layer(1, 8, 1, "inter_node")[0]
+    for layer, with_fp8, without in zip(model.layers, state, bf16):
+        assert with_fp8 - without == pytest.approx(2.0 * layer.params if layer.kind == "block" else 0.0)
 
 
 def test_sliding_window_core_scores_its_band():
