@@ -1,7 +1,8 @@
 """apply_ep: expert parallelism in the style of torchtitan's ExpertParallel.
 
 EP is carved out of the data-parallel (dp x cp) ranks (DESIGN.md §3, as Megatron-Core and torchtitan
-do): the dp·cp ranks of one (pp, tp) position are laid out as an (expert_dp, ep) grid, ep innermost, by
+do; folded over TP as well with expert_tp = 1 under sequence parallelism, below): the dp·cp ranks of one
+(pp, tp) position are laid out as an (expert_dp, ep) grid, ep innermost, by
 unflattening the world mesh (`DeviceMesh._unflatten`, which keeps one root mesh, so FSDP2 can compose
 the two). Each EP rank holds num_experts/ep experts: the stacked expert weights become DTensors sharded
 on dim 0 over the "ep" mesh. In a MoE block's forward the routed rows, sorted by global expert, go to
@@ -18,12 +19,14 @@ expert-data-parallel replicas, with a gradient divide factor of dp·cp (torchtit
 dp·cp ranks, exactly as the dense parameters that FSDP averages over dp.
 
 Tensor parallelism: attention is tensor-parallel as usual.
-- expert_tp = 1 with sequence parallelism (Megatron-Core's layout, what planner/cost_ep.py charges): each TP
-  rank routes only its own sequence shard (T/tp tokens, no gather) to whole experts, dispatches it over its
-  EP group (the dp·cp ranks of its tp position) and gets its shard back, so expert FLOPs per rank are ÷tp.
-  The MoE's parameters (router, experts, shared experts and gate) are Replicate() DTensors over TP
-  (`replicate_moe_over_tp`; experts [Shard(0), Replicate()] on the (ep, tp) mesh after `apply_ep`) whose
-  gradients are declared Partial() over TP (moe._local), so FSDP2's post-backward (or
+- expert_tp = 1 with sequence parallelism (Megatron-Core's MoE parallel folding, what planner/cost_ep.py
+  charges; ParallelConfig.experts_span_tp): each TP rank routes only its own sequence shard (T/tp tokens,
+  no gather) to whole experts, dispatches it over its EP group and gets its shard back, so expert FLOPs per
+  rank are ÷tp. The EP group is ep consecutive ranks of the flattened dp × cp × tp (whole TP groups: ep is
+  tp times a divisor of dp·cp), so the experts are sharded over the TP ranks too, not replicated: an
+  expert receives every row routed to it from its group, its gradient is whole. The MoE's other
+  parameters (router, shared experts and gate) are Replicate() DTensors over TP (`replicate_moe_over_tp`)
+  whose gradients are declared Partial() over TP (moe._local), so FSDP2's post-backward (or
   train.reduce_partial_grads) sums them over TP as for the sequence-parallel norms; the load-balancing
   loss's statistics are all-reduced over TP (moe.MoE.tp_group).
 - expert_tp = 1 without sequence parallelism: every TP rank holds the whole sequence and runs the MoE
@@ -54,9 +57,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 
 def expert_meshes(mesh: DeviceMesh, cfg: ParallelConfig) -> tuple[DeviceMesh, DeviceMesh]:
     """(ep mesh, expert-data-parallel mesh) from the plan's [pp, dp, cp, tp] world mesh: the dp·cp ranks
-    of each (pp, tp) position reshaped to (edp, ep), ep innermost (consecutive in dp-major, cp-minor order)."""
+    of each (pp, tp) position reshaped to (edp, ep), ep innermost (consecutive in dp-major, cp-minor order);
+    with `cfg.experts_span_tp` the dp·cp·tp ranks of each pp position (Megatron-Core's expert rank order)."""
     sizes, names = (cfg.expert_dp, cfg.ep), ("edp", "ep")
-    if cfg.cp == 1:
+    if cfg.experts_span_tp:
+        grid = mesh["dp", "cp", "tp"]._flatten("dp_cp_tp")._unflatten(0, sizes, names)
+    elif cfg.cp == 1:
         grid = mesh._unflatten("dp", sizes, names)
     else:
         grid = mesh["dp", "cp"]._flatten("dp_cp")._unflatten(0, sizes, names)
@@ -121,14 +127,19 @@ def shard_experts_over_tp(moe: MoE, tp_mesh: DeviceMesh) -> None:
     moe.expert_tp_group = tp_mesh.get_group()
 
 
-def replicate_moe_over_tp(moe: MoE, tp_mesh: DeviceMesh) -> None:
+def replicate_moe_over_tp(moe: MoE, tp_mesh: DeviceMesh, experts: bool = True) -> None:
     """Sequence parallelism with expert_tp = 1: the MoE runs on this rank's sequence shard. Its parameters
     become Replicate() DTensors over `tp_mesh` whose gradients are summed over TP (moe._local), and the
-    load-balancing loss sums its statistics over the TP group."""
+    load-balancing loss sums its statistics over the TP group. `experts` False (EP groups spanning the TP
+    ranks, ParallelConfig.experts_span_tp): the routed experts stay out, for `apply_ep` to shard over the
+    folded EP mesh; each then sees every token routed to it from its whole EP group, TP peers included,
+    so its gradient is whole."""
     for module in moe.modules():
+        if not experts and isinstance(module, GroupedExperts):
+            continue
         for name, p in list(module.named_parameters(recurse=False)):
             module.register_parameter(name, nn.Parameter(distribute_tensor(p, tp_mesh, [Replicate()])))
-    moe.experts.tokens_split = True
+    moe.experts.tokens_split = experts
     if moe.shared_experts is not None:
         moe.shared_experts.tokens_split = True
     moe.tp_group = tp_mesh.get_group()

@@ -70,13 +70,15 @@ def _gather_sequence() -> PrepareModuleInput:
     return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, expert_tp: bool = False) -> None:
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, expert_tp: bool = False,
+             experts_span_tp: bool = False) -> None:
     """Megatron-style TP with DTensor: q/k/v and w1/w3 column-wise, wo and w2 row-wise; vocab-parallel
     embedding and head (the head's logits stay sharded for `vocab_parallel_loss`); with sequence
     parallel the norms run on sequence shards and every block's input and output is a local tensor
     sharded on the sequence dim (use_local_output=True). MoE feed-forwards (executor/expert_parallel.py):
     with `expert_tp` (plan expert_tp = tp) their experts' width sharded over TP; else, under sequence
-    parallelism, run on the rank's sequence shard with parameters replicated over TP, without it replicated."""
+    parallelism, run on the rank's sequence shard with parameters replicated over TP (the routed experts
+    left to `apply_ep` when `experts_span_tp`), without it replicated."""
     tp = tp_mesh.size()
     spec = model.spec
     for what, n in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
@@ -117,7 +119,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, e
         if moe and expert_tp:
             shard_experts_over_tp(block.feed_forward, tp_mesh)
         elif moe and sequence_parallel:
-            replicate_moe_over_tp(block.feed_forward, tp_mesh)
+            replicate_moe_over_tp(block.feed_forward, tp_mesh, experts=not experts_span_tp)
     if model.head is not None:
         head_plan: dict = {}
         if sequence_parallel:

@@ -221,7 +221,8 @@ class Trainer:
         with torch.device("meta"):
             model = Transformer(self.plan.model).keep_layers(*layers)
         if p.tp > 1:
-            apply_tp(model, self.dims.mesh["tp"], p.sequence_parallel, expert_tp=p.expert_tp > 1)
+            apply_tp(model, self.dims.mesh["tp"], p.sequence_parallel, expert_tp=p.expert_tp > 1,
+                     experts_span_tp=p.experts_span_tp)
         if p.cp > 1:  # torchtitan's order: TP -> CP -> EP -> AC -> FSDP
             apply_cp(model, self.dims.mesh["cp"], p.cp_mode, p.seq_len)
             balance_over_cp(model, self.dims.mesh["cp"])  # MoE: the load-balancing loss over whole sequences

@@ -94,9 +94,14 @@ class Constraints:
         e = model.moe.num_experts
         if self.ep is not None and e % self.ep:
             raise InputError(f"--ep: {self.ep} must divide the model's {e} experts")
-        if self.ep is not None and self.dp is not None and (self.dp * (self.cp or 1)) % self.ep:
-            raise InputError(f"--ep: {self.ep} must divide dp x cp = {self.dp * (self.cp or 1)} (EP is carved out of "
-                             "the data-parallel ranks)")
+        if self.ep is not None and self.dp is not None:
+            dpcp, tp = self.dp * (self.cp or 1), self.tp
+            folded = tp is None or (tp > 1 and self.expert_tp in (None, 1) and self.ep % tp == 0
+                                    and dpcp % (self.ep // tp) == 0)
+            if dpcp % self.ep and not folded:
+                raise InputError(f"--ep: {self.ep} must divide dp x cp = {dpcp} (EP is carved out of the "
+                                 "data-parallel ranks), or with --expert-tp 1 be tp times a divisor of it (EP "
+                                 "groups spanning the tensor-parallel ranks)")
         if self.expert_tp is not None and self.expert_tp != 1 and self.tp is not None and self.expert_tp != self.tp:
             raise InputError(f"--expert-tp: expected 1 or --tp ({self.tp}), got {self.expert_tp}")
         if self.expert_tp is not None and model.moe.expert_ffn_hidden_size % self.expert_tp:

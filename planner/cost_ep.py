@@ -64,32 +64,48 @@ def is_moe(model: ModelSpec) -> bool:
     return model.moe is not None
 
 
+def spans_tp(ep: int, tp: int, expert_tp: int) -> bool:
+    """EP folded over TP (ParallelConfig.experts_span_tp; the planner's plans with tp > 1 run sequence
+    parallelism): expert_tp 1, each TP rank routing its own sequence shard to the EP group it is in."""
+    return ep > 1 and tp > 1 and expert_tp == 1
+
+
+def ep_sizes(dp: int, cp: int, tp: int, expert_tp: int, num_experts: int) -> list[int]:
+    """The ep degrees a mesh allows: expert_tp = tp (or tp 1), a divisor of dp·cp; expert_tp 1 under TP,
+    1 or tp times a divisor of dp·cp (EP groups of whole TP groups, Megatron-Core's folding as the executor
+    runs it); each a divisor of the expert count."""
+    per_tp = [d for d in range(1, dp * cp + 1) if (dp * cp) % d == 0]
+    sizes = [d * tp for d in per_tp] + [1] if tp > 1 and expert_tp == 1 else per_tp
+    return sorted({d for d in sizes if num_experts % d == 0})
+
+
 def ep_options(model: ModelSpec, dp: int, cp: int, tp: int, ep_pin: int | None, etp_pin: int | None
                ) -> list[tuple[int, int]]:
-    """(ep, expert_tp) pairs the search tries for a mesh: ep a divisor of dp·cp and of the expert count;
-    expert_tp 1 or tp (tp must divide the experts' width). A dense model: (1, 1) only (no enumeration, so
-    dense planning speed is unchanged). Every schedule takes any ep: under zero-bubble the input pass runs
-    the all-to-alls' backward."""
+    """(ep, expert_tp) pairs the search tries for a mesh (`ep_sizes`); expert_tp 1 or tp (tp must divide the
+    experts' width). A dense model: (1, 1) only (no enumeration, so dense planning speed is unchanged).
+    Every schedule takes any ep: under zero-bubble the input pass runs the all-to-alls' backward."""
     if model.moe is None:
         return [(1, 1)]
-    e = model.moe.num_experts
-    eps = [d for d in range(1, dp * cp + 1) if (dp * cp) % d == 0 and e % d == 0]
     etps = [1] + ([tp] if tp > 1 and model.moe.expert_ffn_hidden_size % tp == 0 else [])
-    return [(ep, etp) for ep in eps for etp in etps
+    return [(ep, etp) for etp in etps for ep in ep_sizes(dp, cp, tp, etp, model.moe.num_experts)
             if (ep_pin is None or ep == ep_pin) and (etp_pin is None or etp == etp_pin)]
 
 
 def ep_link(placer, cand: Candidate) -> str:
     """Link class of the worst EP group as placed, with its fewest members per NVLink domain when it spans
     domains ("inter_node/8", cost_cp.all_to_all_time): the dp·cp ranks of each (pp, tp) position,
-    dp-major and cp-minor, cut into runs of ep (executor/expert_parallel.expert_meshes)."""
+    dp-major and cp-minor, cut into runs of ep, or folded over TP the dp·cp·tp ranks of each pp position
+    (executor/expert_parallel.expert_meshes)."""
     if cand.ep <= 1:
         return "intra_node"
     memo = placer.__dict__.setdefault("_ep_links", {})
-    key = (cand.pp, cand.dp, cand.tp, cand.order, cand.cp, cand.ep)
+    key = (cand.pp, cand.dp, cand.tp, cand.order, cand.cp, cand.ep, spans_tp(cand.ep, cand.tp, cand.expert_tp))
     if key not in memo:
         ranks = placer.place(cand.pp, cand.dp, cand.tp, cand.order, cand.cp).ranks  # [pp, dp, cp, tp]
-        grid = ranks.reshape(cand.pp, cand.dp * cand.cp // cand.ep, cand.ep, cand.tp)
+        if spans_tp(cand.ep, cand.tp, cand.expert_tp):  # runs of ep over the flattened dp, cp, tp
+            grid = ranks.reshape(cand.pp, cand.dp * cand.cp * cand.tp // cand.ep, cand.ep, 1)
+        else:
+            grid = ranks.reshape(cand.pp, cand.dp * cand.cp // cand.ep, cand.ep, cand.tp)
         memo[key] = spread_class(placer.domains[grid], placer.sus[grid], 2)
     return memo[key]
 
@@ -210,13 +226,13 @@ class _EPMixin:
 
     def per_layer(self, tp: int, dp: int, zero: int, link: str, sync: GradSync = GradSync(False, 1)
                   ) -> tuple[list, list, list, list, list]:
-        """`dp` = dp·cp. A MoE block: experts ÷ (ep·expert_tp), ZeRO and gradient sync over dp·cp/ep; the
-        rest as Terms.per_layer."""
+        """`dp` = dp·cp. A MoE block: experts ÷ (ep·expert_tp), ZeRO and gradient sync over their
+        expert-data-parallel ranks, dp·cp/ep (dp·cp·tp/ep folded over TP); the rest as Terms.per_layer."""
         def make():
             base = super(_EPMixin, self).per_layer(tp, dp, zero, link, sync)
             out = tuple(list(x) for x in base)
             model = self.model
-            edp = max(1, dp // self.ep)
+            edp = max(1, dp * (tp if spans_tp(self.ep, tp, self.expert_tp) else 1) // self.ep)
             experts = model.moe.num_experts * expert_params(model)
             ex = experts / (self.ep * self.expert_tp)
             bytes_dp = sum(state_bytes(self.profile, self.dtype, zero, dp, sync.full_grads))

@@ -70,7 +70,7 @@ def megatron_moe_args(plan: Plan, warn: Callable[[str], None]) -> list[tuple[str
                  "shared-expert gate option by hand")
     if moe.capacity_factor is not None:
         args += [("--moe-expert-capacity-factor", moe.capacity_factor), ("--moe-token-drop-policy", "probs")]
-    if p.tp > 1 and p.expert_tp == 1:
+    if p.tp > 1 and p.expert_tp == 1 and p.ep > 1 and not p.experts_span_tp:
         warn(f"expert_tp=1 with tp={p.tp}: Megatron folds the tensor-parallel ranks into the experts' data-parallel "
              f"group (expert data parallel = world / (pp x ep x etp) = {plan.world_size // (p.pp * p.ep)}), each "
              f"routing its own sequence shard; meshplan's plan runs the MoE replicated over tp")
@@ -85,7 +85,8 @@ def torchtitan_moe_degrees(plan: Plan, warn: Callable[[str], None]) -> dict[str,
     if p.expert_tp == 1 and p.ep > 1 and p.ep % (p.cp * p.tp):
         warn(f"expert_parallel_degree {p.ep} with expert_tensor_parallel_degree 1: torchtitan's EP group then spans "
              f"the cp x tp = {p.cp * p.tp} ranks too and needs a multiple of it (e.g. {p.ep * p.cp * p.tp}); "
-             f"meshplan's EP is carved from dp x cp only")
+             + ("this plan's EP groups are whole TP groups of the dp x cp x tp ranks" if p.experts_span_tp
+                else "this plan's EP is carved from dp x cp only"))
     if p.expert_tp > 1 and p.ep % p.cp:
         warn(f"expert_parallel_degree {p.ep}: torchtitan with expert_tensor_parallel_degree = tp needs a multiple "
              f"of cp = {p.cp}")
@@ -111,6 +112,9 @@ def deepspeed_moe_note(plan: Plan, warn: Callable[[str], None]) -> None:
     warn(f"MoE layers: DeepSpeed sets expert parallelism in model code, not in the config: "
          f"deepspeed.moe.layer.MoE(hidden_size={plan.model.hidden_size}, expert=<the expert MLP>, "
          f"num_experts={moe.num_experts}, ep_size={p.ep}, k={moe.top_k}, {capacity}{tp})")
+    if p.experts_span_tp:
+        warn(f"ep_size={p.ep} spans the tp={p.tp} ranks (expert_tp 1): DeepSpeed forms expert-parallel groups from "
+             f"the data-parallel ranks only (ep_size must divide dp = {p.dp * p.cp})")
     if moe.top_k > 2:
         warn(f"top-{moe.top_k} routing: DeepSpeed's gate routes k > 2 through topkgating only since PR #5881 "
              "(August 2024), without noisy_gate_policy or use_rts")

@@ -55,9 +55,17 @@ class ParallelConfig:
         return self.pp * self.dp * self.cp * self.tp
 
     @property
+    def experts_span_tp(self) -> bool:
+        """EP folded over tensor parallelism (Megatron-Core's MoE parallel folding; torchtitan with
+        expert_tp 1): with expert_tp = 1 under sequence parallelism each TP rank routes its own sequence
+        shard, so an EP group is ep consecutive ranks of the flattened dp × cp × tp and the experts are not
+        replicated over TP. Otherwise EP is carved out of dp·cp at each TP position (DESIGN.md §3)."""
+        return self.ep > 1 and self.tp > 1 and self.expert_tp == 1 and self.sequence_parallel
+
+    @property
     def expert_dp(self) -> int:
-        """Ranks that hold the same experts: EP is carved out of dp·cp (DESIGN.md §3)."""
-        return self.dp * self.cp // self.ep
+        """Ranks that hold the same experts (`experts_span_tp`: of the dp·cp·tp, else of the dp·cp)."""
+        return self.dp * self.cp * (self.tp if self.experts_span_tp else 1) // self.ep
 
     @property
     def num_stages(self) -> int:
@@ -79,7 +87,10 @@ class ParallelConfig:
         )
         if cfg.fp8 != "none" and cfg.dtype != "bf16":
             raise f.fail("fp8", f"'none' with dtype {cfg.dtype} (FP8 Linears run inside bf16 training)", cfg.fp8)
-        if (cfg.dp * cfg.cp) % cfg.ep:
+        if cfg.experts_span_tp and (cfg.ep % cfg.tp or (cfg.dp * cfg.cp) % (cfg.ep // cfg.tp)):
+            raise f.fail("ep", f"tp = {cfg.tp} times a divisor of dp x cp = {cfg.dp * cfg.cp} (expert_tp 1 under "
+                         "sequence parallelism: EP groups span the TP ranks)", cfg.ep)
+        if not cfg.experts_span_tp and (cfg.dp * cfg.cp) % cfg.ep:
             raise f.fail("ep", f"a divisor of dp x cp = {cfg.dp * cfg.cp}", cfg.ep)
         if cfg.expert_tp not in (1, cfg.tp):
             raise f.fail("expert_tp", f"1 or tp = {cfg.tp}", cfg.expert_tp)

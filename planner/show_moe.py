@@ -18,13 +18,17 @@ def mesh_rank(plan: Plan, pp: int, dp: int, cp: int, tp: int) -> int:
 
 
 def ep_groups(plan: Plan) -> list[list[int]]:
-    """Every EP group's ranks: the dp·cp ranks of each (pp, tp) position, dp-major and cp-minor, cut into
-    consecutive runs of ep (executor.expert_parallel.expert_meshes)."""
+    """Every EP group's ranks: the dp·cp ranks of each (pp, tp) position, dp-major and cp-minor (folded
+    over TP, `experts_span_tp`: the dp·cp·tp ranks of each pp position), cut into consecutive runs of ep
+    (executor.expert_parallel.expert_meshes)."""
     p = plan.parallel
     groups = []
     for pp in range(p.pp):
-        for tp in range(p.tp):
-            line = [mesh_rank(plan, pp, d, c, tp) for d in range(p.dp) for c in range(p.cp)]
+        if p.experts_span_tp:
+            lines = [[mesh_rank(plan, pp, d, c, t) for d in range(p.dp) for c in range(p.cp) for t in range(p.tp)]]
+        else:
+            lines = [[mesh_rank(plan, pp, d, c, t) for d in range(p.dp) for c in range(p.cp)] for t in range(p.tp)]
+        for line in lines:
             groups += [line[i:i + p.ep] for i in range(0, len(line), p.ep)]
     return groups
 

@@ -75,6 +75,43 @@ def test_expert_state_is_split_over_ep_and_sharded_over_expert_dp(profile):
     assert dense[1] == pytest.approx(block * (2 + 4 + 12 / 16))  # ep = 1: every expert on every rank
 
 
+def test_expert_state_folded_over_tp(profile):
+    """EP folded over TP (expert_tp 1, tp 2, dp 8, ep 16): each rank holds 8/16 of an expert (the experts'
+    per-rank share is experts / ep), their optimizer state over edp = dp x tp / ep = 1; the rest ÷ tp, over dp."""
+    block, experts = 1_451_270_144, 1_409_286_144
+    cand = Candidate(dp=8, tp=2, pp=1, v=1, schedule="1f1b", b=1, m=2, zero=1, recompute="none", ep=16)
+    terms = ep_terms(Terms(MIXTRAL, profile, 4096, "bf16"), cand, "intra_node")
+    state = terms.per_layer(2, 8, 1, "inter_node", GradSync(False, 1))[0]
+    rest = (block - experts) / 2 * (2 + 4 + 12 / 8)
+    assert state[1] == pytest.approx(rest + experts / 16 * (2 + 4 + 12 / 1))
+
+
+def test_folded_ep_plans(tmp_path):
+    """ParallelConfig: EP spans TP only under sequence parallelism with expert_tp 1, as tp times a divisor of
+    dp x cp; `plan show` lists its groups as runs of consecutive ranks."""
+    from meshplan.planner.plan import ParallelConfig
+    from meshplan.planner.show_moe import ep_groups
+
+    base = dict(dp=2, tp=2, pp=1, virtual_stages=1, zero=1, schedule="1f1b", micro_batch_size=1,
+                num_micro_batches=1, global_batch_size=2, seq_len=64, recompute="none", dtype="bf16",
+                sequence_parallel=True)
+    p = ParallelConfig.from_dict({**base, "ep": 4})
+    assert p.experts_span_tp and p.expert_dp == 1
+    assert not ParallelConfig.from_dict({**base, "ep": 2, "expert_tp": 2}).experts_span_tp
+    with pytest.raises(InputError, match="plan.parallel.ep"):  # 2 is no multiple of tp = 4
+        ParallelConfig.from_dict({**base, "dp": 1, "tp": 4, "global_batch_size": 1, "ep": 2})
+    plan = find_plan(MIXTRAL, CLUSTER, Constraints(global_batch_size=32, seq_len=4096, tp=2, pp=1, ep=8,
+                                                   expert_tp=1, top_k=1), preset_profile(MIXTRAL, CLUSTER, "bf16"))
+    assert plan.parallel.experts_span_tp and plan.parallel.expert_dp == 2
+    assert ep_groups(plan) == [list(range(8)), list(range(8, 16))]  # row-major placement: one node each
+    ds: list[str] = []
+    to_deepspeed(plan, ds)
+    assert any("spans the tp=2 ranks" in w for w in ds)
+    warnings: list[str] = []
+    to_megatron(plan, warnings)
+    assert not any("folds" in w for w in warnings)  # Megatron-Core runs the same folding
+
+
 def test_block_time_carries_the_all_to_alls(profile):
     base = Terms(MIXTRAL, profile, 4096, "bf16")
     cand = Candidate(dp=16, tp=1, pp=1, v=1, schedule="1f1b", b=1, m=2, zero=1, recompute="none", ep=8)
@@ -92,6 +129,11 @@ def test_ep_options():
     got = ep_options(MIXTRAL, 16, 1, 2, None, None)
     assert {ep for ep, _ in got} == {1, 2, 4, 8} and {etp for _, etp in got} == {1, 2}
     assert ep_options(MIXTRAL, 16, 1, 2, 8, 1) == [(8, 1)]
+    # tp 4, dp 4: expert_tp 1 folds EP over TP (1, or 4 times a divisor of dp: 4, 8; 16 > 8 experts),
+    # expert_tp 4 carves it from dp (1, 2, 4)
+    got = ep_options(MIXTRAL, 4, 1, 4, None, None)
+    assert sorted(ep for ep, etp in got if etp == 1) == [1, 4, 8]
+    assert sorted(ep for ep, etp in got if etp == 4) == [1, 2, 4]
 
 
 def test_ep_link_by_placement():
@@ -99,7 +141,11 @@ def test_ep_link_by_placement():
     qwen = dict(tp=1, pp=1, v=1, schedule="1f1b", b=1, m=1, zero=1, recompute="none", order=("pp", "dp", "tp"))
     assert ep_link(placer, Candidate(dp=16, ep=8, **qwen)) == "intra_node"
     assert ep_link(placer, Candidate(dp=16, ep=16, **qwen)) == "inter_node/8"  # 8 members in each node
-    assert ep_link(placer, Candidate(dp=8, ep=8, **{**qwen, "tp": 2})) == "inter_node/4"
+    # tp 2, expert_tp 2: EP over the dp ranks of one TP position, 4 of them in each node
+    assert ep_link(placer, Candidate(dp=8, ep=8, expert_tp=2, **{**qwen, "tp": 2})) == "inter_node/4"
+    # expert_tp 1: EP folded over TP, runs of 8 consecutive ranks (4 dp x 2 tp): one node
+    assert ep_link(placer, Candidate(dp=8, ep=8, **{**qwen, "tp": 2})) == "intra_node"
+    assert ep_link(placer, Candidate(dp=8, ep=16, **{**qwen, "tp": 2})) == "inter_node/8"
 
 
 def test_spread_all_to_all_by_hand(profile):
@@ -158,8 +204,11 @@ def test_pinned_ep_plans_and_exports(ep8_plan):
 
 def test_search_chooses_ep_for_mixtral(profile):
     plan = find_plan(MIXTRAL, CLUSTER, Constraints(global_batch_size=32, seq_len=4096, top_k=1), profile)
-    assert plan.parallel.ep > 1
-    assert (plan.parallel.dp * plan.parallel.cp) % plan.parallel.ep == 0
+    p = plan.parallel
+    assert p.ep > 1
+    # EP carved from dp x cp, or folded over TP as tp times a divisor of it (expert_tp 1)
+    assert (p.dp * p.cp) % p.ep == 0 or (p.experts_span_tp and p.ep % p.tp == 0 and (p.dp * p.cp) % (p.ep // p.tp) == 0)
+    assert p.expert_dp == p.dp * p.cp * (p.tp if p.experts_span_tp else 1) // p.ep
 
 
 def test_moe_plan_round_trips(ep8_plan, tmp_path):
@@ -169,7 +218,8 @@ def test_moe_plan_round_trips(ep8_plan, tmp_path):
     save_plan(ep8_plan, path)
     again = load_plan(path)
     p = again.parallel
-    assert p.ep == 8 and p.expert_dp == p.dp * p.cp // 8 and again.parallel == ep8_plan.parallel
+    assert p.ep == 8 and p.expert_dp == p.dp * p.cp * (p.tp if p.experts_span_tp else 1) // 8
+    assert again.parallel == ep8_plan.parallel
     assert again.model == ep8_plan.model and again.model.moe.num_experts == 8
 
 

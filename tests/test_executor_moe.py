@@ -27,6 +27,13 @@ PLANS = {  # the issue's four shapes, then ZeRO-3 with full recompute, sequence,
     # gradients are summed over TP and the load-balancing loss's statistics too (weight 1: a wrong sum shows)
     "ep2-tp2-sp-shared-zero1-aux1": dict(dp=2, tp=2, ep=2, sequence_parallel=True, shared=True, zero=1,
                                          micro_batch_size=2, num_micro_batches=2, aux_loss_coef=1.0),
+    # both fold EP over TP (ParallelConfig.experts_span_tp): the EP group of 2 is the TP group, edp = 2; here EP
+    # spans all 4 ranks (tp 2 x dp 2), one expert pair per rank, not replicated over TP (edp = 1)
+    "ep4-tp2-sp-zero1": dict(dp=2, tp=2, ep=4, sequence_parallel=True, zero=1, micro_batch_size=2,
+                             num_micro_batches=2, aux_loss_coef=1.0),
+    "ep4-tp2-sp-zero3-full-recompute": dict(dp=2, tp=2, ep=4, sequence_parallel=True, zero=3, recompute="full",
+                                            micro_batch_size=2, num_micro_batches=2),
+    "ep2-tp2-pp2-sp": dict(pp=2, tp=2, ep=2, sequence_parallel=True, micro_batch_size=1, num_micro_batches=4),
     # ZeRO-0 (replicate: experts all-reduced over edp = 2), with all-to-all context parallelism. CP splits
     # sequences: the load-balancing loss sums its statistics over the CP group, so it is the whole sequence's.
     "ep2-cp2-zero0": dict(dp=2, cp=2, cp_mode="all-to-all", ep=2, micro_batch_size=1, num_micro_batches=2),
