@@ -34,7 +34,8 @@ from rich.table import Table
 ROWS = Path(__file__).with_name("data") / "published_rows.json"
 # Sources whose rows carry a full dense layout and a bf16/fp16 time; the FSDP-only MPT table and the fp8
 # pages are left to --source.
-DEFAULT_SOURCES = ("megatron_sc21", "korthikanti_2022", "llama3_herd_2024", "bloom_bigscience", "mt_nlg_2022")
+DEFAULT_SOURCES = ("megatron_sc21", "korthikanti_2022", "llama3_herd_2024", "bloom_bigscience", "mt_nlg_2022",
+                   "dgxc_benchmarking")
 # How each source's software ran (facts about the runs, not fitted values): a named software of
 # profiler/software.py (its docstring has the sources), one with changes, or settings of its own.
 # - SC'21's artifact (examples/sc21/run_table_1.sh) runs Megatron-LM in fp16 with DDP=local from 39B up and
@@ -69,6 +70,8 @@ SOFTWARE: dict[str, str | dict] = {
     # NeMo 24.07 and Megatron-Bridge run Megatron-Core with Transformer Engine; their rows are FP8 (`fp8`)
     "nemo_perf_summary": "megatron",
     "megatron_bridge_perf_summary": "megatron",
+    # NVIDIA's DGX Cloud benchmarking recipes run NeMo 24.09/24.11 (Megatron-Core); their rows are BF16
+    "dgxc_benchmarking": "megatron",
     "llm_foundry_mpt": dict(attention="flash1", loss="fused", **_NO_COPIES),
     "torchtitan": "torchtitan",
 }
@@ -96,7 +99,8 @@ def cluster_of(row: dict):
 def software(row: dict) -> dict:
     """The row's software settings; sequence parallelism as the row's layout says (on when not given)."""
     sp = row["layout"].get("sequence_parallel") is not False
-    pure = "PURE" in (row["layout"].get("dtype") or "")  # llm-foundry: FSDP reduces in bf16
+    # llm-foundry's PURE FSDP and NeMo's grad_sync_dtype bf16 (dgxc) keep and reduce gradients in bf16
+    pure = "PURE" in (row["layout"].get("dtype") or "") or row["layout"].get("grad_dtype") == "bf16"
     selective = row["layout"].get("selective_ac")  # torchtitan's selective AC policy (profiler/roofline.py)
     named = SOFTWARE.get(row["source_key"], {})
     dtype = "fp16" if row["layout"].get("dtype") == "fp16" else "bf16"

@@ -54,3 +54,18 @@ def test_fp8_rows_run_transformer_engine_recipes():
     nemo = next(r for r in ROWS if r["id"] == "nemo2407_llama3-8b_8gpu_fp8")
     assert published_runs.usable(nemo) and published_runs.SOFTWARE["nemo_perf_summary"] == "megatron"
     assert not any(published_runs.usable(r) for r in ROWS if r.get("fp8") and r["source_key"] == "torchtitan")
+
+
+def test_dgxc_rows_are_consistent_and_reduce_in_bf16():
+    """NVIDIA's DGX Cloud benchmarking rows: each published step time reproduces its published throughput
+    (seq x GBS / step), the layout multiplies to the GPU count, and NeMo's optim.grad_sync_dtype bf16 is charged
+    as 2-byte gradients."""
+    rows = [r for r in ROWS if r["source_key"] == "dgxc_benchmarking"]
+    assert len(rows) == 22 and "dgxc_benchmarking" in published_runs.DEFAULT_SOURCES
+    for row in rows:
+        lay, pub = row["layout"], row["published"]
+        assert lay["tp"] * lay["pp"] * lay["cp"] * lay["dp"] == row["num_gpus"], row["id"]
+        tokens = row["model"]["seq_len"] * lay["global_batch_size"] / pub["iteration_time_s"]
+        assert abs(tokens / pub["tokens_per_s"] - 1) < 0.005, row["id"]
+        assert row["model"]["vocab_size"] % (128 * lay["tp"]) == 0  # Megatron's padding
+        assert published_runs.software(row)["grad_bytes"] == 2 and published_runs.usable(row)
