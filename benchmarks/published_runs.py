@@ -24,7 +24,7 @@ from meshplan.planner.cluster_spec import LinkSpec, parse_cluster
 from meshplan.planner.constraints import Constraints
 from meshplan.planner.errors import InfeasibleError, InputError
 from meshplan.planner.model_sources import builtin_model
-from meshplan.planner.model_spec import ModelSpec
+from meshplan.planner.model_spec import ModelSpec, MoESpec
 from meshplan.planner.search import find_plan
 from meshplan.profiler.presets import preset_profile
 from meshplan.profiler.software import engine_limits, software_settings
@@ -72,6 +72,7 @@ SOFTWARE: dict[str, str | dict] = {
     "megatron_bridge_perf_summary": "megatron",
     # NVIDIA's DGX Cloud benchmarking recipes run NeMo 24.09/24.11 (Megatron-Core); their rows are BF16
     "dgxc_benchmarking": "megatron",
+    "dgxc_benchmarking_moe": "megatron",  # Grok-1 (MoE): all-to-all token dispatcher, experts padded to capacity
     "llm_foundry_mpt": dict(attention="flash1", loss="fused", **_NO_COPIES),
     "torchtitan": "torchtitan",
 }
@@ -121,11 +122,13 @@ def fp8_recipe(row: dict) -> str:
 def model_of(row: dict) -> ModelSpec:
     m = row["model"]
     base = builtin_model("llama3-70b" if m["arch"] == "llama" else "gpt3-175b")
+    moe = MoESpec(**m["moe"]) if m.get("moe") else None
     return replace(base, name=row["id"], hidden_size=m["hidden_size"], num_layers=m["num_layers"],
                    num_heads=m["num_heads"], num_kv_heads=m.get("num_kv_heads") or m["num_heads"],
                    ffn_hidden_size=m.get("ffn_hidden_size") or 4 * m["hidden_size"], head_dim=0,
                    vocab_size=m["vocab_size"], max_seq_len=max(base.max_seq_len, m["seq_len"]),
-                   position=m.get("position", base.position), embedding_norm=m.get("embedding_norm", False), layers=())
+                   position=m.get("position", base.position), embedding_norm=m.get("embedding_norm", False),
+                   mlp=m.get("mlp", base.mlp), moe=moe, layers=())
 
 
 def megatron_flops(row: dict, batch: int, recompute: bool) -> float:
@@ -176,6 +179,8 @@ def constraints_of(row: dict, pinned: bool) -> Constraints:
     if lay.get("virtual_stages") is None:  # not published: the planner picks the schedule
         schedule = None
     cp = lay.get("cp") or 1
+    if lay.get("ep"):  # mixture of experts: EP, the experts' TP and how unevenly the source's router loads them
+        c = replace(c, ep=lay["ep"], expert_tp=lay.get("expert_tp"), moe_imbalance=lay.get("moe_imbalance", 1.25))
     return replace(c, tp=lay["tp"], pp=lay["pp"], dp=lay["dp"], micro_batch_size=lay.get("micro_batch_size"),
                    virtual_stages=v if v > 1 else None, schedule=schedule, recompute=lay.get("recompute"),
                    zero=lay.get("zero"), cp=cp, cp_mode=CP_MODE.get(row["source_key"], "ring") if cp > 1 else None)
@@ -206,6 +211,7 @@ def main() -> None:
         profile = preset_profile(model, cluster, constraints_of(row, True).dtype, **software(row))
         lay = row["layout"]
         cp_tag = f" c{lay['cp']}" if (lay.get("cp") or 1) > 1 else ""
+        cp_tag += f" e{lay['ep']}" if (lay.get("ep") or 1) > 1 else ""
         layout = f"t{lay['tp']}{cp_tag} p{lay['pp']} d{lay['dp']} v{lay.get('virtual_stages') or '?'} " \
                  f"b{lay.get('micro_batch_size') or '?'} {lay.get('recompute') or '?'}"
         target = published_time(row, model)
@@ -225,7 +231,7 @@ def main() -> None:
             try:
                 fp = find_plan(model, cluster, constraints_of(row, False), profile)
                 p = fp.parallel
-                cp_tag = f" c{p.cp}" if p.cp > 1 else ""
+                cp_tag = (f" c{p.cp}" if p.cp > 1 else "") + (f" e{p.ep}" if p.ep > 1 else "")
                 free = f"t{p.tp}{cp_tag} p{p.pp} d{p.dp} v{p.virtual_stages} z{p.zero} b{p.micro_batch_size} " \
                        f"{p.recompute}"
                 free_s = f"{fp.predicted.iteration_time_s:.2f}"

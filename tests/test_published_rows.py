@@ -69,3 +69,18 @@ def test_dgxc_rows_are_consistent_and_reduce_in_bf16():
         assert abs(tokens / pub["tokens_per_s"] - 1) < 0.005, row["id"]
         assert row["model"]["vocab_size"] % (128 * lay["tp"]) == 0  # Megatron's padding
         assert published_runs.software(row)["grad_bytes"] == 2 and published_runs.usable(row)
+
+
+def test_grok_rows_pin_expert_parallelism():
+    """The Grok-1 (MoE) rows build a mixture-of-experts model (8 experts, top 2, GeGLU, experts padded to
+    capacity 1.0) and pin ep, the experts' TP and an imbalance of 1 (padded to capacity: every expert computes
+    exactly its capacity); the table's DP column is dp / EP."""
+    rows = [r for r in ROWS if r["source_key"] == "dgxc_benchmarking_moe"]
+    assert len(rows) == 9 and "dgxc_benchmarking_moe" not in published_runs.DEFAULT_SOURCES
+    for row in rows:
+        model = published_runs.model_of(row)
+        assert model.moe is not None and (model.moe.num_experts, model.moe.top_k) == (8, 2) and model.mlp == "geglu"
+        c = published_runs.constraints_of(row, True)
+        lay = row["layout"]
+        assert (c.ep, c.expert_tp, c.moe_imbalance) == (lay["ep"], lay["tp"], 1.0)
+        assert lay["dp"] % lay["ep"] == 0 and lay["tp"] * lay["pp"] * lay["cp"] * lay["dp"] == row["num_gpus"]
