@@ -128,7 +128,8 @@ def model_of(row: dict) -> ModelSpec:
                    ffn_hidden_size=m.get("ffn_hidden_size") or 4 * m["hidden_size"], head_dim=0,
                    vocab_size=m["vocab_size"], max_seq_len=max(base.max_seq_len, m["seq_len"]),
                    position=m.get("position", base.position), embedding_norm=m.get("embedding_norm", False),
-                   mlp=m.get("mlp", base.mlp), moe=moe, layers=())
+                   mlp=m.get("mlp", base.mlp), moe=moe, layers=(),
+                   **{k: m[k] for k in ("tied_embeddings", "linear_bias", "rotary_dim") if k in m})
 
 
 def megatron_flops(row: dict, batch: int, recompute: bool) -> float:

@@ -61,14 +61,16 @@ def test_dgxc_rows_are_consistent_and_reduce_in_bf16():
     (seq x GBS / step), the layout multiplies to the GPU count, and NeMo's optim.grad_sync_dtype bf16 is charged
     as 2-byte gradients."""
     rows = [r for r in ROWS if r["source_key"] == "dgxc_benchmarking"]
-    assert len(rows) == 22 and "dgxc_benchmarking" in published_runs.DEFAULT_SOURCES
+    assert len(rows) == 35 and "dgxc_benchmarking" in published_runs.DEFAULT_SOURCES
     for row in rows:
         lay, pub = row["layout"], row["published"]
         assert lay["tp"] * lay["pp"] * lay["cp"] * lay["dp"] == row["num_gpus"], row["id"]
         tokens = row["model"]["seq_len"] * lay["global_batch_size"] / pub["iteration_time_s"]
         assert abs(tokens / pub["tokens_per_s"] - 1) < 0.005, row["id"]
         assert row["model"]["vocab_size"] % (128 * lay["tp"]) == 0  # Megatron's padding
-        assert published_runs.software(row)["grad_bytes"] == 2 and published_runs.usable(row)
+        bf16_grads = lay.get("grad_dtype") == "bf16"  # all but Nemotron-4 15B's recipe set it
+        assert (published_runs.software(row).get("grad_bytes") == 2) is bf16_grads and published_runs.usable(row)
+    assert sum(r["layout"].get("grad_dtype") != "bf16" for r in rows) == 8
 
 
 def test_grok_rows_pin_expert_parallelism():
