@@ -72,6 +72,7 @@ SOFTWARE: dict[str, str | dict] = {
     "megatron_bridge_perf_summary": "megatron",
     # NVIDIA's DGX Cloud benchmarking recipes run NeMo 24.09/24.11 (Megatron-Core); their rows are BF16
     "dgxc_benchmarking": "megatron",
+    "dgxc_benchmarking_fp8": "megatron",  # the same recipes' FP8 tables (Transformer Engine, delayed scaling)
     "dgxc_benchmarking_moe": "megatron",  # Grok-1 (MoE): all-to-all token dispatcher, experts padded to capacity
     "llm_foundry_mpt": dict(attention="flash1", loss="fused", **_NO_COPIES),
     "torchtitan": "torchtitan",
