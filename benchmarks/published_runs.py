@@ -73,6 +73,7 @@ SOFTWARE: dict[str, str | dict] = {
     # NVIDIA's DGX Cloud benchmarking recipes run NeMo 24.09/24.11 (Megatron-Core); their rows are BF16
     "dgxc_benchmarking": "megatron",
     "dgxc_benchmarking_fp8": "megatron",  # the same recipes' FP8 tables (Transformer Engine, delayed scaling)
+    "dgxc_benchmarking_gb200": "megatron",  # NeMo 25.04.01 on GB200 NVL72
     "dgxc_benchmarking_moe": "megatron",  # Grok-1 (MoE): all-to-all token dispatcher, experts padded to capacity
     "llm_foundry_mpt": dict(attention="flash1", loss="fused", **_NO_COPIES),
     "torchtitan": "torchtitan",
@@ -92,7 +93,8 @@ INTER_NODE = {"bloom_bigscience": LinkSpec(4 * 100e9 / 8 / 8, 4.0e-6)}
 
 
 def cluster_of(row: dict):
-    text = f"{row['num_gpus'] // 8}x8x{row['gpu']}" if row["num_gpus"] > 8 else f"8x{row['gpu']}"
+    per = row.get("gpus_per_node") or 8  # GB200: 4 GPUs per compute tray
+    text = f"{row['num_gpus'] // per}x{per}x{row['gpu']}" if row["num_gpus"] > per else f"{per}x{row['gpu']}"
     cluster = parse_cluster(text)
     link = INTER_NODE.get(row["source_key"])
     return replace(cluster, inter_node=link) if link is not None else cluster
@@ -193,8 +195,8 @@ def usable(row: dict) -> bool:
     dims = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len")
     complete = all(row["model"].get(k) for k in dims) and bool(lay.get("global_batch_size"))
     te_fp8 = not row.get("fp8") or "Transformer Engine" in row["layout"]["dtype"] or "FP8-CS" in row["layout"]["dtype"]
-    return complete and te_fp8 and row["gpu"] in ("a100-40gb", "a100-80gb", "h100-80gb") \
-        and row["num_gpus"] % 8 == 0
+    return complete and te_fp8 and row["gpu"] in ("a100-40gb", "a100-80gb", "h100-80gb", "gb200-186gb") \
+        and row["num_gpus"] % (row.get("gpus_per_node") or 8) == 0
 
 
 def main() -> None:

@@ -366,13 +366,27 @@ def preset_cluster(num_nodes: int, devices_per_node: int, device_type: str, name
     label = name or (f"{num_nodes}x{label}" if num_nodes > 1 else label)
     topo = TOPOLOGY_PRESETS.get(device_type, Topology())
     world = num_nodes * devices_per_node
-    if topo.nvlink_domain and world < topo.nvlink_domain:
-        topo = replace(topo, nvlink_domain=world)  # a part of one rack: all in the domain
+    if topo.nvlink_domain and world % topo.nvlink_domain:
+        topo = replace(topo, nvlink_domain=spread_domain(world, topo.nvlink_domain, devices_per_node))
     if topo.nvlink_domain and (topo.nvlink_domain % devices_per_node or world % topo.nvlink_domain):
-        raise InputError(f"CLUSTER: {device_type} comes in NVLink domains of {topo.nvlink_domain} GPUs; "
-                         f"expected a multiple of {topo.nvlink_domain} devices in nodes that divide it, got "
-                         f"{num_nodes}x{devices_per_node}")
+        full = TOPOLOGY_PRESETS[device_type].nvlink_domain
+        fits = next(n for n in range(num_nodes, 0, -1)
+                    if (n * devices_per_node) % spread_domain(n * devices_per_node, full, devices_per_node) == 0)
+        raise InputError(f"CLUSTER: {device_type} comes in NVLink domains of {full} GPUs; expected a count the "
+                         f"fewest domains share in whole nodes of {devices_per_node} (e.g. {fits}x{devices_per_node}), "
+                         f"got {num_nodes}x{devices_per_node}; a cluster file sets other layouts "
+                         f"(topology.nvlink_domain)")
     return ClusterSpec(label, num_nodes, devices_per_node, device, intra, inter, topo)
+
+
+def spread_domain(world: int, domain: int, devices_per_node: int) -> int:
+    """GPUs per NVLink domain for a job of `world` GPUs that whole domains (an NVL72 rack: 72) do not divide:
+    the fewest domains that hold it, each filled alike (128 GB200s: 2 racks of 64, as a Slurm allocation of
+    equal segments per rack gives them), when that comes out in whole nodes; a part of one rack is one
+    domain. Otherwise the domain unchanged, which `preset_cluster` then refuses."""
+    racks = -(-world // domain)
+    share = world // racks
+    return share if world % racks == 0 and share % devices_per_node == 0 else domain
 
 
 def local_cluster() -> ClusterSpec:

@@ -108,3 +108,18 @@ def test_b200_preset():
     assert c.device.memory_bytes == 180 * 1000**3 and c.device.memory_bandwidth_Bps == 8e12
     assert c.intra_node.bandwidth_Bps == 900e9 and c.inter_node.bandwidth_Bps == 50e9
     assert c.intra_node.bus_Bps == pytest.approx(682.2e9) and c.inter_node.bus_Bps == pytest.approx(47e9)
+
+
+def test_gb200_jobs_spread_over_the_fewest_racks():
+    """GB200 comes in NVL72 racks: a job of 128 GPUs takes 64 in each of 2 racks (NVIDIA's DGX Cloud recipes run
+    128, 256 and 512), 72 one whole rack, 8 a part of one; a count no rack split gives in whole trays is refused
+    with a count that works."""
+    from meshplan.planner.placement import Placer
+
+    for text, domain in (("32x4xgb200-186gb", 64), ("128x4xgb200-186gb", 64), ("18x4xgb200-186gb", 72),
+                         ("36x4xgb200-186gb", 72), ("2x4xgb200-186gb", 8), ("24x4xgb200-186gb", 48)):
+        assert parse_cluster(text).topology.nvlink_domain == domain, text
+    placer = Placer(parse_cluster("32x4xgb200-186gb"))
+    assert sorted(set(placer.domains.tolist())) == [0, 1] and (placer.domains == 0).sum() == 64
+    with pytest.raises(InputError, match=r"e\.g\. 24x4\), got 25x4"):
+        parse_cluster("25x4xgb200-186gb")
