@@ -34,6 +34,9 @@ PLANS = {  # the issue's four shapes, then ZeRO-3 with full recompute, sequence,
     "ep4-tp2-sp-zero3-full-recompute": dict(dp=2, tp=2, ep=4, sequence_parallel=True, zero=3, recompute="full",
                                             micro_batch_size=2, num_micro_batches=2),
     "ep2-tp2-pp2-sp": dict(pp=2, tp=2, ep=2, sequence_parallel=True, micro_batch_size=1, num_micro_batches=4),
+    # folded over cp x tp: all-gather context parallelism, EP over all 4 ranks
+    "ep4-cp2-tp2-sp": dict(cp=2, cp_mode="all-gather", tp=2, ep=4, sequence_parallel=True, zero=1,
+                           micro_batch_size=2, num_micro_batches=2, aux_loss_coef=1.0),
     # ZeRO-0 (replicate: experts all-reduced over edp = 2), with all-to-all context parallelism. CP splits
     # sequences: the load-balancing loss sums its statistics over the CP group, so it is the whole sequence's.
     "ep2-cp2-zero0": dict(dp=2, cp=2, cp_mode="all-to-all", ep=2, micro_batch_size=1, num_micro_batches=2),
