@@ -8,10 +8,9 @@ column-/row-wise as torchtitan does; head counts are read from the (possibly sha
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 import torch.nn as nn
@@ -54,7 +53,7 @@ def alibi_slopes(heads: int) -> list[float]:
     return slopes + [2 ** (-4 * (2 * i + 1) / closest) for i in range(min(closest, heads - closest))]
 
 
-@functools.lru_cache(maxsize=4)
+@lru_cache(maxsize=4)
 def alibi_bias(s: int, heads: int, first: int, local: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """[local, s, s] additive scores of heads first..first+local-1 of `heads`: slope·(j − i) on and below the
     diagonal, −inf above (causal). One tensor per shape and device, shared by every layer."""
@@ -65,7 +64,7 @@ def alibi_bias(s: int, heads: int, first: int, local: int, device: torch.device,
     return bias.masked_fill(offset > 0, float("-inf")).to(dtype)
 
 
-@functools.lru_cache(maxsize=4)
+@lru_cache(maxsize=4)
 def sliding_window_mask(s: int, window: int, device: torch.device) -> torch.Tensor:
     """[s, s] boolean: query i attends to keys i − window < j ≤ i (Mistral's window, the query itself included).
     One tensor per (s, window, device), shared by every layer (s² bytes: 1 GiB at 32K tokens)."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from meshplan.planner.cluster_spec import ClusterSpec
 from meshplan.planner.errors import InputError
 from meshplan.planner.model_spec import ModelSpec
+from meshplan.planner.plan import ep_fits
 
 
 def check_seq_len(model: ModelSpec, seq: int) -> None:
@@ -95,11 +96,10 @@ class Constraints:
         if self.ep is not None and e % self.ep:
             raise InputError(f"--ep: {self.ep} must divide the model's {e} experts")
         if self.ep is not None and self.dp is not None:
-            dpcp, tp = self.dp * (self.cp or 1), self.tp
-            folded = tp is None or (tp > 1 and self.expert_tp in (None, 1) and self.ep % tp == 0
-                                    and dpcp % (self.ep // tp) == 0)
-            if dpcp % self.ep and not folded:
-                raise InputError(f"--ep: {self.ep} must divide dp x cp = {dpcp} (EP is carved out of the "
+            cp, tp = self.cp or 1, self.tp
+            folded = tp is None or (tp > 1 and self.expert_tp in (None, 1) and ep_fits(self.ep, self.dp, cp, tp, True))
+            if not ep_fits(self.ep, self.dp, cp, 1, False) and not folded:
+                raise InputError(f"--ep: {self.ep} must divide dp x cp = {self.dp * cp} (EP is carved out of the "
                                  "data-parallel ranks), or with --expert-tp 1 be tp times a divisor of it (EP "
                                  "groups spanning the tensor-parallel ranks)")
         if self.expert_tp is not None and self.expert_tp != 1 and self.tp is not None and self.expert_tp != self.tp:

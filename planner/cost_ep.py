@@ -52,6 +52,7 @@ from meshplan.planner.cost_cp import CPTerms, all_to_all_time
 from meshplan.planner.cost_memory import Workspace, state_bytes
 from meshplan.planner.cost_model import Terms
 from meshplan.planner.model_spec import ModelSpec, expert_params, is_sparse_block
+from meshplan.planner.plan import ep_fits
 from meshplan.planner.topology import spread_class
 from meshplan.profiler.analytic import DTYPE_BYTES, layer_forward_flops
 from meshplan.profiler.moe_cost import moe_ffn_time, routed_mats, sparse_fraction
@@ -74,9 +75,8 @@ def ep_sizes(dp: int, cp: int, tp: int, expert_tp: int, num_experts: int) -> lis
     """The ep degrees a mesh allows: expert_tp = tp (or tp 1), a divisor of dp·cp; expert_tp 1 under TP,
     1 or tp times a divisor of dp·cp (EP groups of whole TP groups, Megatron-Core's folding as the executor
     runs it); each a divisor of the expert count."""
-    per_tp = [d for d in range(1, dp * cp + 1) if (dp * cp) % d == 0]
-    sizes = [d * tp for d in per_tp] + [1] if tp > 1 and expert_tp == 1 else per_tp
-    return sorted({d for d in sizes if num_experts % d == 0})
+    return [d for d in range(1, min(num_experts, dp * cp * tp) + 1)
+            if num_experts % d == 0 and ep_fits(d, dp, cp, tp, spans_tp(d, tp, expert_tp))]
 
 
 def ep_options(model: ModelSpec, dp: int, cp: int, tp: int, ep_pin: int | None, etp_pin: int | None

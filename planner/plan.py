@@ -29,6 +29,14 @@ FP8_CHOICES = FP8_RECIPES[1:]  # what --fp8 takes (off: leave it out)
 MESH_DIMS = ["pp", "dp", "cp", "tp"]
 
 
+def ep_fits(ep: int, dp: int, cp: int, tp: int, spans_tp: bool) -> bool:
+    """Whether EP groups of `ep` ranks tile the mesh: carved out of dp·cp, a divisor of it; spanning the TP
+    ranks too (ParallelConfig.experts_span_tp), tp times a divisor of it (whole TP groups)."""
+    if spans_tp:
+        return ep % tp == 0 and (dp * cp) % (ep // tp) == 0
+    return (dp * cp) % ep == 0
+
+
 @dataclass
 class ParallelConfig:
     dp: int
@@ -87,11 +95,10 @@ class ParallelConfig:
         )
         if cfg.fp8 != "none" and cfg.dtype != "bf16":
             raise f.fail("fp8", f"'none' with dtype {cfg.dtype} (FP8 Linears run inside bf16 training)", cfg.fp8)
-        if cfg.experts_span_tp and (cfg.ep % cfg.tp or (cfg.dp * cfg.cp) % (cfg.ep // cfg.tp)):
+        if not ep_fits(cfg.ep, cfg.dp, cfg.cp, cfg.tp, cfg.experts_span_tp):
             raise f.fail("ep", f"tp = {cfg.tp} times a divisor of dp x cp = {cfg.dp * cfg.cp} (expert_tp 1 under "
-                         "sequence parallelism: EP groups span the TP ranks)", cfg.ep)
-        if not cfg.experts_span_tp and (cfg.dp * cfg.cp) % cfg.ep:
-            raise f.fail("ep", f"a divisor of dp x cp = {cfg.dp * cfg.cp}", cfg.ep)
+                         "sequence parallelism: EP groups span the TP ranks)" if cfg.experts_span_tp
+                         else f"a divisor of dp x cp = {cfg.dp * cfg.cp}", cfg.ep)
         if cfg.expert_tp not in (1, cfg.tp):
             raise f.fail("expert_tp", f"1 or tp = {cfg.tp}", cfg.expert_tp)
         if cfg.zero > 3:

@@ -177,6 +177,9 @@ def test_constraints_refuse_bad_ep():
         Constraints(ep=3).validate(MIXTRAL, CLUSTER)
     with pytest.raises(InputError, match="dense"):
         Constraints(ep=2).validate(builtin_model("llama3-8b"), CLUSTER)
+    with pytest.raises(InputError, match=r"--ep: 8 must divide dp x cp = 2 .* or with --expert-tp 1 be tp times"):
+        Constraints(dp=2, tp=2, ep=8).validate(MIXTRAL, CLUSTER)  # 8 = tp 2 x 4, and 4 does not divide dp 2
+    Constraints(dp=4, tp=2, ep=8).validate(MIXTRAL, CLUSTER)  # folded: tp 2 x 4 over dp 4
     with pytest.raises(InputError, match="--expert-tp"):
         Constraints(tp=2, expert_tp=4).validate(MIXTRAL, CLUSTER)
 
