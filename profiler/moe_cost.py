@@ -121,10 +121,12 @@ def dense_ffn_time(roofline, spec: ModelSpec, tokens: float, tp: int) -> tuple[f
     return fwd, bwd
 
 
-def block_ffn_time_correction(roofline, spec: ModelSpec, tokens: float, tp: int) -> tuple[float, float]:
+def block_ffn_time_correction(roofline, spec: ModelSpec, tokens: float, tp: int,
+                              sequence_parallel: bool = False) -> tuple[float, float]:
     """What to add to a block timed with the dense MLP's GEMMs to time the mean block of a MoE model at
     ep = 1: phi · (MoE feed-forward − dense MLP). 0 for a dense model. Both at the Linear GEMMs' rates (FP8's
-    under an FP8 recipe), each with its casts."""
+    under an FP8 recipe), each with its casts (the dense MLP's as `roofline.fp8_casts` charged them: the
+    last GEMM's output gradient on the sequence shard under sequence parallelism)."""
     phi = sparse_fraction(spec)
     if phi == 0:
         return 0.0, 0.0
@@ -134,5 +136,6 @@ def block_ffn_time_correction(roofline, spec: ModelSpec, tokens: float, tp: int)
     if cast:  # the dense MLP's casts, charged in the block's fp8_casts
         f, n_up = spec.ffn_hidden_size / tp, 2 if spec.gated_mlp else 1
         df += roofline.bytes_time(cast * tokens * f)
-        db += roofline.bytes_time(cast * tokens * (n_up * f + spec.hidden_size))
+        sp = tp if sequence_parallel else 1
+        db += roofline.bytes_time(cast * tokens * (n_up * f + spec.hidden_size / sp))
     return phi * (mf - df), phi * (mb - db)

@@ -339,7 +339,7 @@ class Roofline:
                 fwd, bwd = fwd + a, bwd + g + self.accumulate(n * k)
             af, ab = self.attention_core(spec, b, s, tp)
             el = self.elementwise(spec, b, s, tp, sp)
-            mf, mb = block_ffn_time_correction(self, spec, T, tp)  # MoE feed-forward (profiler/moe_cost.py)
+            mf, mb = block_ffn_time_correction(self, spec, T, tp, sp)  # MoE feed-forward (profiler/moe_cost.py)
             return fwd + af + el + mf, bwd + ab + 2 * el + mb
         if kind == "head":
             V = vocab_shard(spec, tp)

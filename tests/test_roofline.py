@@ -573,3 +573,20 @@ def test_blocking_pipeline_transfers():
     # over one HDR NIC per GPU (24 GB/s bus bandwidth, 4 us a step): 2 x (4 us + 100.7 MB / 24 GB/s)
     assert pp_comm_time(ds, b, s, h, tp, "bf16", True, "inter_node") == pytest.approx(
         2 * (4.0e-6 + whole / 24e9), rel=0.05)
+
+
+def test_moe_fp8_correction_removes_the_dense_casts_the_block_charged():
+    """A MoE block is timed as a dense block plus phi · (MoE feed-forward − dense MLP); under FP8 the dense MLP's
+    casts it removes are the ones `fp8_casts` charged: the last GEMM's output gradient (h values a token) on the
+    sequence shard under sequence parallelism, h/tp."""
+    from meshplan.profiler.moe_cost import block_ffn_time_correction, sparse_fraction
+
+    model = builtin_model("mixtral-8x7b")
+    r = preset_profile(model, parse_cluster("8xh100-80gb"), "bf16", fp8="delayed").roofline
+    T, tp, h = 4096.0, 2, model.hidden_size
+    n_up_f = 2 * model.ffn_hidden_size / tp
+    full = block_ffn_time_correction(r, model, T, tp, False)[1]
+    shard = block_ffn_time_correction(r, model, T, tp, True)[1]
+    cast = r.fp8_cast_bytes
+    want = sparse_fraction(model) * (r.bytes_time(cast * T * (n_up_f + h)) - r.bytes_time(cast * T * (n_up_f + h / tp)))
+    assert shard - full == pytest.approx(want)
