@@ -14,12 +14,21 @@ runs the MoE replicated over TP: its tp ranks repeat the MoE's work, which this 
 Terms, per MoE block and micro-batch (a model's "block" is the mean over its dense and sparse blocks, so
 each term is weighted by the sparse fraction):
 - All-to-all: 4 per block (dispatch + combine, forward and backward; full recompute replays the forward
-  two), each moving imbalance · (T/tp) · top_k · h values per rank, (ep − 1)/ep of it off the rank: an
+  two), each moving imbalance · (T/tp) · top_k · h values per rank (T · top_k · h where the executor runs
+  expert TP, below), (ep − 1)/ep of it off the rank: an
   all-to-all over n ranks runs with the all-gather's bus factor (n − 1)/n (nccl-tests PERFORMANCE.md), as
   planner/cost_cp.all_to_all_time times it, on the link class of the EP group as placed (intra-node when
   the ep ranks share an NVLink domain; across domains each rank's chunks for its own domain take NVLink
   and the rest its NIC). On the critical path: the dispatcher waits for its
   tokens (Megatron-Core overlaps only the shared experts, which this model ignores).
+- Tensor parallelism (the block is charged the dense MLP's all-gather and reduce-scatter of b·s·h, planner/
+  cost_collectives.tp_comm_time; `moe_tp_comm_time` is what a MoE block's differ by): with expert_tp = 1 under
+  sequence parallelism the MoE takes the rank's sequence shard and runs no TP collective (Megatron-Core's
+  shared experts still gather and reduce-scatter the sequence). With expert_tp = tp it depends on the
+  software (profiler/roofline.MOE_DISPATCH): the executor gathers the sequence and dispatches all T tokens'
+  rows from every TP rank (T·top_k per all-to-all, not T/tp), its TP collectives the dense MLP's;
+  Megatron-Core dispatches the rank's shard, then all-gathers the received rows over TP and reduce-scatters
+  the experts' output, imbalance · T·top_k·h values each way instead of T·h.
 - Load imbalance: the busiest EP rank receives `imbalance` times the mean rows; its all-to-alls and its
   grouped GEMMs set the pace. Default DEFAULT_IMBALANCE = 1.25, the capacity factor that Switch Transformer
   (Fedus et al. 2022, §2.2 and Table 1: 1.0-1.25 as the useful range) and GShard (Lepikhin et al. 2020,
@@ -32,7 +41,8 @@ each term is weighted by the sparse fraction):
 - Memory: a MoE block's routed experts ÷ (ep · expert_tp) per rank instead of ÷ tp; their gradients and
   optimizer state sharded by ZeRO over the expert-data-parallel ranks dp·cp/ep (DESIGN.md §3), the rest
   of the block over dp·cp; their gradient reduction runs over those edp ranks. Token buffers at the
-  block's peak: the received rows and the combine's output, 2 · imbalance · (T/tp)·top_k·h values.
+  block's peak: the received rows and the combine's output, 2 · imbalance · (T/tp)·top_k·h values (T·top_k·h
+  under expert TP, gathered over TP or dispatched whole).
 """
 
 from __future__ import annotations
@@ -118,6 +128,42 @@ def local_tokens(b: int, s: int, cp: int) -> float:
     return float(b * (s // cp))
 
 
+def sharded_dispatch(profile) -> bool:
+    """Megatron-Core's dispatcher (roofline.MOE_DISPATCH "sharded"); measured profiles are the executor's."""
+    r = getattr(profile, "roofline", None)
+    return r is not None and r.moe_dispatch == "sharded"
+
+
+def dispatch_shard(profile, tp: int, expert_tp: int) -> int:
+    """What a rank's tokens are divided by to get those it dispatches: tp (its sequence shard), or 1 where
+    the executor gathers the sequence before routing under expert TP (module docstring)."""
+    return 1 if expert_tp == tp > 1 and not sharded_dispatch(profile) else tp
+
+
+def moe_tp_comm_time(profile, model: ModelSpec, tokens: float, tp: int, ep: int, expert_tp: int, dtype: str,
+                     imbalance: float) -> float:
+    """Seconds per direction (forward; backward moves the same) by which a MoE block's TP collectives
+    differ from the dense MLP's all-gather + reduce-scatter of T·h that tp_comm_time charges every block
+    (module docstring; an all-gather and a reduce-scatter of X bytes move what an all-reduce of X does).
+    `tokens` = T, the micro-batch's b·s/cp."""
+    if tp <= 1 or model.moe is None or profile.tp_collectives_measured("block", tp):
+        return 0.0
+
+    def all_reduce(nbytes: float) -> float:
+        return profile.collective_time("all_reduce", nbytes, tp, "intra_node") * profile.correction("tp_comm")
+
+    dense = tokens * model.hidden_size * DTYPE_BYTES[dtype]
+    sharded = sharded_dispatch(profile)
+    shared = all_reduce(dense) if sharded and model.moe.num_shared_experts else 0.0
+    if expert_tp != tp:  # expert_tp 1: the MoE takes the sequence shard
+        routed = 0.0
+    elif sharded:  # the received rows gathered over TP, the experts' output reduce-scattered
+        routed = all_reduce(model.moe.top_k * (imbalance if ep > 1 else 1.0) * dense)
+    else:
+        routed = all_reduce(dense)
+    return routed + shared - all_reduce(dense)
+
+
 def dispatch_bytes(model: ModelSpec, tokens: float, tp: int, dtype: str, imbalance: float) -> float:
     """Bytes one all-to-all moves per rank (the busiest): imbalance · (T/tp) · top_k · h values."""
     assert model.moe is not None
@@ -182,11 +228,17 @@ class _EPMixin:
         """(forward, backward) all-to-all seconds of the mean block per micro-batch."""
         def make():
             tokens = local_tokens(b, self.s, self._cp())
-            f, g = ep_comm_time(self.profile, self.model, tokens, tp, self.ep, self.dtype, self.ep_link,
-                                self.imbalance)
+            f, g = ep_comm_time(self.profile, self.model, tokens, dispatch_shard(self.profile, tp, self.expert_tp),
+                                self.ep, self.dtype, self.ep_link, self.imbalance)
             phi = sparse_fraction(self.model)
             return phi * f, phi * g
         return self._get(("ep comm", b, tp), make)
+
+    def moe_tp(self, b: int, tp: int) -> float:
+        """Seconds per direction the mean block's TP collectives differ from a dense block's (`moe_tp_comm_time`)."""
+        return self._get(("moe tp", b, tp), lambda: sparse_fraction(self.model) * moe_tp_comm_time(
+            self.profile, self.model, local_tokens(b, self.s, self._cp()), tp, self.ep, self.expert_tp,
+            self.dtype, self.imbalance))
 
     def kind(self, kind: str, b: int, tp: int, schedule: str = "1f1b") -> tuple[float, float, float, float]:
         row = super().kind(kind, b, tp, schedule)
@@ -196,7 +248,7 @@ class _EPMixin:
         def make():
             f, g, c, a = row
             df, dg = self.compute_delta(b, tp)
-            return f + df, g + dg, c + sum(self.ep_comm(b, tp)), a
+            return f + df, g + dg, c + sum(self.ep_comm(b, tp)) + 2 * self.moe_tp(b, tp), a
         return self._get(("ep kind", b, tp, schedule == "zero-bubble"), make)
 
     def compute_delta(self, b: int, tp: int) -> tuple[float, float]:
@@ -205,15 +257,17 @@ class _EPMixin:
             self.profile, self.model, b, self.s // self._cp(), tp, self.ep, self.expert_tp, self.imbalance))
 
     def recompute(self, b: int, tp: int, mode: str) -> tuple[float, float, float]:
-        """Full recompute replays the block's forward, its experts' delta, dispatch and combine included."""
+        """Full recompute replays the block's forward, its experts' delta, dispatch and combine and the MoE's
+        forward TP collectives included."""
         rec, saving, rec_tp = super().recompute(b, tp, mode)
         if mode == "none" or not self.model.num_layers:
             return rec, saving, rec_tp
-        if not isinstance(self, CPTerms):  # Terms.recompute subtracts the block's whole communication value,
-            bias = sum(self.ep_comm(b, tp))  # whose EP part is not tensor-parallel traffic: give it back
+        if not isinstance(self, CPTerms):  # Terms.recompute subtracts the block's whole communication value
+            bias = sum(self.ep_comm(b, tp)) + 2 * self.moe_tp(b, tp)  # from the dense block's: give it back
             rec, rec_tp = rec + bias, rec_tp + bias
         if mode == "full":
-            rec += self.ep_comm(b, tp)[0] + self.compute_delta(b, tp)[0]
+            rec += self.ep_comm(b, tp)[0] + self.compute_delta(b, tp)[0] + self.moe_tp(b, tp)
+            rec_tp += self.moe_tp(b, tp)
         return rec, saving, rec_tp
 
     def side_comm(self, b: int, tp: int, mode: str) -> dict[str, tuple[float, float]]:
@@ -289,5 +343,7 @@ def add_ep_buffers(ws: Workspace, model: ModelSpec, cand: Candidate, s: int, dty
     """The step's transients with a MoE block's token buffers at every rank's activation peak."""
     if model.moe is None:
         return ws
-    extra = token_buffer_bytes(model, local_tokens(cand.b, s, cand.cp), cand.tp, cand.ep, dtype, imbalance)
+    # under expert TP a rank holds all T·top_k rows: gathered over TP (Megatron-Core) or dispatched (executor)
+    shard = 1 if cand.expert_tp == cand.tp > 1 else cand.tp
+    extra = token_buffer_bytes(model, local_tokens(cand.b, s, cand.cp), shard, cand.ep, dtype, imbalance)
     return Workspace([x + extra for x in ws.act], ws.emb, ws.opt, ws.per_layer)

@@ -79,7 +79,9 @@ def moe_ffn_time(roofline, spec: ModelSpec, tokens: float, tp: int, ep: int = 1,
     so its tile and wave quantisation is the grouped GEMM's efficiency); M = imbalance · T·top_k·ep/E
     rows per local expert (T·top_k routed rows per rank on average, the busiest rank `imbalance` times
     that); the expert width ÷ `expert_shard` (expert_tp); the shared experts as dense GEMMs ÷tp. The
-    permutation before and after the experts (gather and scatter-add of T·top_k rows) is bytes over HBM.
+    permutation before and after the experts (gather and scatter-add of T·top_k rows) and the experts'
+    activation (on every routed row, and the shared experts') are bytes over HBM, backward twice forward's as
+    for a dense block's memory-bound ops (roofline.elementwise).
     Under an FP8 recipe (profiler/roofline.FP8) the experts' and shared experts' GEMMs run at the FP8 rates
     (Transformer Engine's grouped Linear), with their casts as a dense block's (`roofline.fp8_casts`): forward
     the last GEMM's input, backward every GEMM's output gradient; the router stays 16-bit.
@@ -108,7 +110,9 @@ def moe_ffn_time(roofline, spec: ModelSpec, tokens: float, tp: int, ep: int = 1,
         fwd += roofline.bytes_time(cast * (routed * f_e + shared * f_s))
         bwd += roofline.bytes_time(cast * (routed * (n_up * f_e + h) + shared * (n_up * f_s + h)))
     permute = roofline.bytes_time(2 * 2 * imbalance * tokens * k * h * roofline.dtype_bytes)  # gather + scatter
-    return fwd + permute, bwd + 2 * permute
+    act = roofline.bytes_time(roofline.mlp_activation_bytes(spec.gated_mlp)
+                              * (rows * local * f_e + tokens * f_s))
+    return fwd + permute + act, bwd + 2 * permute + 2 * act
 
 
 def dense_ffn_time(roofline, spec: ModelSpec, tokens: float, tp: int) -> tuple[float, float]:
@@ -133,6 +137,9 @@ def block_ffn_time_correction(roofline, spec: ModelSpec, tokens: float, tp: int,
     mf, mb = moe_ffn_time(roofline, spec, tokens, tp)
     df, db = dense_ffn_time(roofline.linear, spec, tokens, tp)
     cast = roofline.fp8_cast_bytes
+    act = roofline.bytes_time(roofline.mlp_activation_bytes(spec.gated_mlp) * tokens
+                              * spec.ffn_hidden_size / tp)  # the dense MLP's, in the block's elementwise
+    df, db = df + act, db + 2 * act
     if cast:  # the dense MLP's casts, charged in the block's fp8_casts
         f, n_up = spec.ffn_hidden_size / tp, 2 if spec.gated_mlp else 1
         df += roofline.bytes_time(cast * tokens * f)

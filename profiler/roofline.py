@@ -84,6 +84,15 @@ NORM = ("fused", "eager-fp32")
 # reads it once more. The FP8 weights (and their transposes) are cast once per step and cached across
 # micro-batches (TE's is_first_microbatch), so their cast is not charged per micro-batch.
 FP8 = FP8_RECIPES
+# How a mixture-of-experts layer meets expert tensor parallelism (expert_tp = tp > 1; planner/cost_ep.py).
+# "gathered": the executor (executor/expert_parallel.py) gathers the sequence as the dense MLP does, every TP
+# rank routes and dispatches all of its tokens' rows, and the block's output is reduce-scattered as the dense
+# MLP's. "sharded": Megatron-Core's alltoall token dispatcher (megatron/core/transformer/moe/
+# token_dispatcher.py, MoEAlltoAllTokenDispatcher.dispatch_postprocess / combine_preprocess) dispatches each
+# TP rank's sequence shard over EP, then all-gathers the received rows over the expert-TP group and
+# reduce-scatters the experts' output before the combine; its shared experts gather and reduce-scatter the
+# sequence over TP on their own (shared_experts.py).
+MOE_DISPATCH = ("gathered", "sharded")
 
 
 def norm_bytes(norm: str, B: int) -> float:
@@ -160,6 +169,7 @@ class Roofline:
     norm: str = "fused"  # NORM
     software: str = "meshplan"  # the name these settings were made from (profiler/software.py), for reports
     fp8: str = "none"  # FP8
+    moe_dispatch: str = "gathered"  # MOE_DISPATCH
     # The device's FP8 tensor-core rates (0: none): dense peak, MAMF / peak, and the K of the MAMF shape
     fp8_peak_flops: float = 0.0
     fp8_gemm_fraction: float = 0.0
@@ -193,6 +203,7 @@ class Roofline:
                    f.str("p2p", choices=P2P, default="overlapped"),
                    f.bool("sharded_accumulation", default=False), f.str("norm", choices=NORM, default="fused"),
                    f.str("software", default="meshplan"), fp8=f.str("fp8", choices=FP8, default="none"),
+                   moe_dispatch=f.str("moe_dispatch", choices=MOE_DISPATCH, default="gathered"),
                    fp8_peak_flops=f.float("fp8_peak_flops", min=0.0, default=0.0),
                    fp8_gemm_fraction=f.float("fp8_gemm_fraction", min=0.0, default=0.0),
                    fp8_gemm_k_ref=f.float("fp8_gemm_k_ref", min=0.0, default=0.0))
@@ -284,6 +295,11 @@ class Roofline:
                + 2 * self.gemm(s, d, s, batch))  # dQ = dS K, dK = dSᵀ Q
         return fwd, bwd
 
+    def mlp_activation_bytes(self, gated: bool) -> int:
+        """Bytes an MLP's activation moves forward per element of its width: gated, SiLU or GELU of w1 x
+        (read, write) and its product with w3 x (two reads, a write); else (bias-)GELU (read, write)."""
+        return 5 * self.dtype_bytes if gated else 2 * self.dtype_bytes
+
     def elementwise(self, spec: ModelSpec, b: int, s: int, tp: int, sequence_parallel: bool) -> float:
         """Forward seconds of a block's memory-bound ops (bytes read + written per token)."""
         B = self.dtype_bytes
@@ -295,10 +311,7 @@ class Roofline:
             ops += [(3 * h * B + h) / sp] * 2
         else:  # residual adds
             ops += [3 * h * B / sp] * 2
-        if spec.gated_mlp:
-            ops += [2 * f * B, 3 * f * B]  # SiLU or GELU of w1 x; its product with w3 x
-        else:
-            ops += [2 * f * B]  # (bias-)GELU
+        ops += [f * self.mlp_activation_bytes(spec.gated_mlp)]
         if spec.position == "rope":
             rotated = spec.rotated_dims / spec.head_dim  # GPT-NeoX rotates a part of each head
             ops += [2 * (q + kv) * rotated * 4 * 2]  # rotary on q and k, computed in fp32: read, write

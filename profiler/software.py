@@ -37,6 +37,9 @@ or papers, not fitted values:
 - pipeline transfers (roofline.P2P): DeepSpeed's pipeline engine sends each stage output and input
   gradient whole, in blocking calls (runtime/pipe/p2p.py); Megatron-LM pairs a send with a receive and
   scatters the stage output over tensor parallelism (SC'21 §4.1), torch's pipelining sends asynchronously.
+- mixture-of-experts under expert tensor parallelism (roofline.MOE_DISPATCH): Megatron-Core's alltoall
+  dispatcher sends each TP rank's sequence shard and gathers the received rows over the expert-TP group;
+  the executor gathers the sequence first and dispatches all of it from every TP rank.
 - the data-parallel engine's copies (fsdp_copies): FSDP2 (torchtitan, the executor) copies parameters out
   of its all-gather buffer and gradients into its reduce buffer; Megatron-LM's DDP and distributed
   optimizer reduce and gather in the parameters' and gradients' own contiguous buffers; DeepSpeed's are
@@ -56,7 +59,7 @@ SOFTWARE: dict[str, dict] = {
     # torchtitan: the executor's stack (FSDP2, DTensor TP, flash SDPA); its selective AC is the per-op policy
     "torchtitan": dict(selective="every-second-mm"),
     # Megatron-Core (2023-): fused attention, shards kept, reduction overlapped, accumulation fused
-    "megatron": dict(activations="sharded", fsdp_copies=False, loss="megatron"),
+    "megatron": dict(activations="sharded", fsdp_copies=False, loss="megatron", moe_dispatch="sharded"),
     # Megatron-LM as Korthikanti et al. 2022 ran it: unfused attention, reduction after the backward
     "megatron-2022": _MEGATRON_2022,
     # Megatron-LM as Narayanan et al. SC'21 ran it: no sequence parallelism, an accumulation pass of its own

@@ -15,6 +15,7 @@ from meshplan.planner.cost_ep import (
     ep_link,
     ep_options,
     ep_terms,
+    moe_tp_comm_time,
     token_buffer_bytes,
 )
 from meshplan.planner.cost_model import Terms
@@ -243,3 +244,80 @@ def test_fp8_experts_run_fp8_gemms_with_their_casts():
     assert sum(delayed) < sum(moe_ffn_time(bf16, model, T, 1))
     assert current[0] - delayed[0] == pytest.approx(2 * T * k * f / 2.97e12)
     assert current[1] - delayed[1] == pytest.approx(2 * T * k * (2 * f + h) / 2.97e12)
+
+
+def test_moe_tp_collectives_by_dispatcher():
+    """A MoE block's TP collectives against the dense MLP's all-gather + reduce-scatter of T·h (one all-reduce's
+    bytes) that every block is charged, per direction. Megatron-Core (moe_dispatch "sharded") under expert TP
+    gathers the received rows over TP, top_k · imbalance · T·h, and its shared experts the sequence again; with
+    expert_tp 1 the MoE runs no TP collective. The executor ("gathered") keeps the dense MLP's under expert TP."""
+    from dataclasses import replace as dc_replace
+
+    from meshplan.planner.model_spec import MoESpec
+
+    cluster, T, h = parse_cluster("8xh100-80gb"), 4096.0, 4096
+    dense = T * h * 2
+    mcore = preset_profile(MIXTRAL, cluster, "bf16", moe_dispatch="sharded")
+    ours = preset_profile(MIXTRAL, cluster, "bf16")
+
+    def ar(profile, nbytes):
+        return profile.collective_time("all_reduce", nbytes, 4, "intra_node")
+
+    assert moe_tp_comm_time(mcore, MIXTRAL, T, 4, 2, 4, "bf16", 1.25) == pytest.approx(
+        ar(mcore, 2 * 1.25 * dense) - ar(mcore, dense))
+    assert moe_tp_comm_time(mcore, MIXTRAL, T, 4, 1, 4, "bf16", 1.25) == pytest.approx(  # ep 1: no imbalance
+        ar(mcore, 2 * dense) - ar(mcore, dense))
+    assert moe_tp_comm_time(mcore, MIXTRAL, T, 4, 8, 1, "bf16", 1.25) == pytest.approx(-ar(mcore, dense))
+    assert moe_tp_comm_time(ours, MIXTRAL, T, 4, 2, 4, "bf16", 1.25) == 0.0
+    assert moe_tp_comm_time(ours, MIXTRAL, T, 4, 8, 1, "bf16", 1.25) == pytest.approx(-ar(ours, dense))
+    assert moe_tp_comm_time(mcore, MIXTRAL, T, 1, 8, 1, "bf16", 1.25) == 0.0  # no TP
+    shared = dc_replace(MIXTRAL, moe=MoESpec(num_experts=8, top_k=2, expert_ffn_hidden_size=14336,
+                                              num_shared_experts=1, shared_expert_ffn_hidden_size=14336))
+    assert moe_tp_comm_time(mcore, shared, T, 4, 8, 1, "bf16", 1.25) == pytest.approx(0.0)
+    assert moe_tp_comm_time(ours, shared, T, 4, 8, 1, "bf16", 1.25) == pytest.approx(-ar(ours, dense))
+
+
+def test_expert_tp_dispatch_volume_and_block_charges():
+    """Under expert TP (tp 2) the executor dispatches all T tokens' rows from every TP rank, Megatron-Core its
+    sequence shard's; the block's communication value carries the all-to-alls and the MoE's TP difference both
+    ways, and full recompute replays their forward halves."""
+    cluster = parse_cluster("8xh100-80gb")
+    base = dict(dp=4, tp=2, pp=1, v=1, schedule="1f1b", b=1, m=2, zero=1, recompute="none", ep=4, expert_tp=2)
+    for software, shard in (({}, 1), ({"moe_dispatch": "sharded"}, 2)):
+        profile = preset_profile(MIXTRAL, cluster, "bf16", **software)
+        dense = Terms(MIXTRAL, profile, 4096, "bf16")
+        terms = ep_terms(dense, Candidate(**base), "intra_node", 1.25)
+        f, g = terms.ep_comm(1, 2)
+        assert (f, g) == pytest.approx(ep_comm_time(profile, MIXTRAL, 4096.0, shard, 4, "bf16", "intra_node", 1.25))
+        d = terms.moe_tp(1, 2)
+        assert terms.kind("block", 1, 2)[2] == pytest.approx(dense.kind("block", 1, 2)[2] + f + g + 2 * d)
+        rec, _, rec_tp = terms.recompute(1, 2, "full")
+        _, _, dense_rec_tp = dense.recompute(1, 2, "full")
+        assert rec_tp == pytest.approx(dense_rec_tp + d)
+        assert (d > 0) == (shard == 2)  # Megatron-Core gathers top_k x the rows
+
+
+def test_moe_memory_bound_bytes_by_hand():
+    """What a MoE feed-forward moves over HBM (mixtral-8x7b, SwiGLU, bf16, ep 1, one H100): the permutation's
+    gather and scatter-add of T·top_k rows (read + write, 2·2·T·k·h·2 bytes) and the experts' activation on
+    every routed row (SiLU read + write, product two reads + a write: 5·2 bytes per element of T·k·f); backward
+    twice. Isolated as the time that disappears when HBM is 1000 x faster (no launch floor; the GEMMs stay
+    compute-bound but the router's backward, [T, 8] x [8, h], which is added back)."""
+    from dataclasses import replace as dc_replace
+
+    from meshplan.profiler.moe_cost import block_ffn_time_correction, moe_ffn_time
+    from meshplan.profiler.presets import device_roofline
+
+    rl = dc_replace(device_roofline(parse_cluster("1xh100-80gb"), "bf16"), launch_s=0.0)
+    fast = dc_replace(rl, hbm_Bps=rl.hbm_Bps * 1000)
+    T, h, f, k = 8192, 4096, 14336, 2
+    moved = 2 * 2 * T * k * h * 2 + 5 * 2 * T * k * f
+    rate = rl.hbm_Bps * rl.hbm_fraction
+    slow_f, slow_b = moe_ffn_time(rl, MIXTRAL, T, 1)
+    fast_f, fast_b = moe_ffn_time(fast, MIXTRAL, T, 1)
+    assert slow_f - fast_f == pytest.approx(moved / rate * (1 - 1e-3), rel=1e-6)
+    router = rl.gemm_fwd_bwd(T, 8, h)[1] - fast.gemm_fwd_bwd(T, 8, h)[1]
+    assert slow_b - fast_b == pytest.approx(2 * moved / rate * (1 - 1e-3) + router, rel=1e-6)
+    # the block's correction takes out the dense MLP's activation (T·f, which the block's elementwise charged)
+    cf = block_ffn_time_correction(rl, MIXTRAL, T, 1)[0] - block_ffn_time_correction(fast, MIXTRAL, T, 1)[0]
+    assert cf == pytest.approx((moved - 5 * 2 * T * f) / rate * (1 - 1e-3), rel=1e-6)
