@@ -79,7 +79,8 @@ def moe_ffn_time(roofline, spec: ModelSpec, tokens: float, tp: int, ep: int = 1,
     so its tile and wave quantisation is the grouped GEMM's efficiency); M = imbalance · T·top_k·ep/E
     rows per local expert (T·top_k routed rows per rank on average, the busiest rank `imbalance` times
     that); the expert width ÷ `expert_shard` (expert_tp); the shared experts as dense GEMMs ÷tp. The
-    permutation before and after the experts (gather and scatter-add of T·top_k rows) and the experts'
+    permutation before and after the experts (gather and scatter-add of T·top_k rows; with EP and several
+    local experts the received rows are regrouped by local expert and back as well) and the experts'
     activation (on every routed row, and the shared experts') are bytes over HBM, backward twice forward's as
     for a dense block's memory-bound ops (roofline.elementwise).
     Under an FP8 recipe (profiler/roofline.FP8) the experts' and shared experts' GEMMs run at the FP8 rates
@@ -109,7 +110,10 @@ def moe_ffn_time(roofline, spec: ModelSpec, tokens: float, tp: int, ep: int = 1,
         routed, shared = rows * local, tokens if f_s else 0.0
         fwd += roofline.bytes_time(cast * (routed * f_e + shared * f_s))
         bwd += roofline.bytes_time(cast * (routed * (n_up * f_e + h) + shared * (n_up * f_s + h)))
-    permute = roofline.bytes_time(2 * 2 * imbalance * tokens * k * h * roofline.dtype_bytes)  # gather + scatter
+    # gather + scatter-add; with EP and several local experts also the received rows' regrouping by local
+    # expert and back (Megatron-Core's sort_chunks_by_idxs, executor/expert_parallel.AllToAllDispatch)
+    passes = 4 if ep > 1 and local > 1 else 2
+    permute = roofline.bytes_time(passes * 2 * imbalance * tokens * k * h * roofline.dtype_bytes)
     act = roofline.bytes_time(roofline.mlp_activation_bytes(spec.gated_mlp)
                               * (rows * local * f_e + tokens * f_s))
     return fwd + permute + act, bwd + 2 * permute + 2 * act

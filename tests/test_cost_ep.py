@@ -321,3 +321,22 @@ def test_moe_memory_bound_bytes_by_hand():
     # the block's correction takes out the dense MLP's activation (T·f, which the block's elementwise charged)
     cf = block_ffn_time_correction(rl, MIXTRAL, T, 1)[0] - block_ffn_time_correction(fast, MIXTRAL, T, 1)[0]
     assert cf == pytest.approx((moved - 5 * 2 * T * f) / rate * (1 - 1e-3), rel=1e-6)
+
+
+def test_ep_regroups_received_rows_by_local_expert():
+    """With EP and several experts per rank the received rows (imbalance · T·top_k) are sorted by local expert
+    and back: two more read + write passes over them forward, four backward, as many bytes as the
+    permutation's gather and scatter-add (mixtral-8x7b, ep 2: 4 local experts; ep 8: 1, no regrouping)."""
+    from dataclasses import replace as dc_replace
+
+    from meshplan.profiler.moe_cost import moe_ffn_time
+    from meshplan.profiler.presets import device_roofline
+
+    rl = dc_replace(device_roofline(parse_cluster("1xh100-80gb"), "bf16"), launch_s=0.0)
+    fast = dc_replace(rl, hbm_Bps=rl.hbm_Bps * 1000)
+    T, h, f, k = 8192, 4096, 14336, 2
+    rate = rl.hbm_Bps * rl.hbm_fraction * 1000 / 999
+    for ep, passes in ((2, 4), (8, 2)):
+        moved = passes * 2 * T * k * h * 2 + 5 * 2 * T * k * f
+        assert moe_ffn_time(rl, MIXTRAL, T, 1, ep)[0] - moe_ffn_time(fast, MIXTRAL, T, 1, ep)[0] == \
+            pytest.approx(moved / rate, rel=1e-6)
