@@ -179,6 +179,7 @@ class CPTerms(Terms):
     def __init__(self, base: Terms, cp: int, mode: str, link: str):
         super().__init__(base.model, base.profile, base.s, base.dtype)
         self.cp, self.mode, self.link = cp, mode, link
+        self.root = getattr(base, "root", base)  # the candidate-independent Terms, for per-parameter memos
 
     def block(self, b: int, tp: int) -> tuple[float, float, float, float]:
         """(forward, backward, attention forward, attention backward) of a block (`block_compute_time`)."""

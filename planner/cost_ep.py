@@ -218,8 +218,10 @@ class _EPMixin:
     ep_link: str
     imbalance: float
 
-    def _setup(self, ep: int, expert_tp: int, link: str, imbalance: float) -> None:
+    def _setup(self, base: Terms, ep: int, expert_tp: int, link: str, imbalance: float) -> None:
         self.ep, self.expert_tp, self.ep_link, self.imbalance = ep, expert_tp, link, imbalance
+        # the per-parameter terms depend on no candidate's CP or EP link: memoised on the root Terms, shared
+        self.root = getattr(base, "root", base)
 
     def _cp(self) -> int:
         return getattr(self, "cp", 1)
@@ -283,7 +285,7 @@ class _EPMixin:
         """`dp` = dp·cp. A MoE block: experts ÷ (ep·expert_tp), ZeRO and gradient sync over their
         expert-data-parallel ranks, dp·cp/ep (dp·cp·tp/ep folded over TP); the rest as Terms.per_layer."""
         def make():
-            base = super(_EPMixin, self).per_layer(tp, dp, zero, link, sync)
+            base = self.root.per_layer(tp, dp, zero, link, sync)
             out = tuple(list(x) for x in base)
             model = self.model
             edp = max(1, dp * (tp if spans_tp(self.ep, tp, self.expert_tp) else 1) // self.ep)
@@ -314,19 +316,19 @@ class _EPMixin:
                 if per_mb is not None:
                     out[3][i] = per_mb
             return out
-        return self._get(("ep layer", tp, dp, zero, link, sync), make)
+        return self.root._get(("ep layer", self.ep, self.expert_tp, tp, dp, zero, link, sync), make)
 
 
 class EPTerms(_EPMixin, Terms):
     def __init__(self, base: Terms, ep: int, expert_tp: int, link: str, imbalance: float):
         Terms.__init__(self, base.model, base.profile, base.s, base.dtype)
-        self._setup(ep, expert_tp, link, imbalance)
+        self._setup(base, ep, expert_tp, link, imbalance)
 
 
 class EPCPTerms(_EPMixin, CPTerms):
     def __init__(self, base: CPTerms, ep: int, expert_tp: int, link: str, imbalance: float):
         CPTerms.__init__(self, base, base.cp, base.mode, base.link)
-        self._setup(ep, expert_tp, link, imbalance)
+        self._setup(base, ep, expert_tp, link, imbalance)
 
 
 def ep_terms(terms: Terms, cand: Candidate, link: str, imbalance: float = DEFAULT_IMBALANCE) -> Terms:

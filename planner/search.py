@@ -271,7 +271,11 @@ class Search:
             self.cluster.device.memory_bytes, self.c.memory_margin, self.reserve(cand)))
 
     def links(self, cand: Candidate) -> Links:
-        return links_with_ep(self.placer, cand, self.placer.links(cand.pp, cand.dp, cand.tp, cand.order, cand.cp))
+        key = ("links", cand.pp, cand.dp, cand.tp, cand.order, cand.cp, cand.ep, cand.expert_tp)
+        if key not in self.terms.memo:
+            self.terms.memo[key] = links_with_ep(self.placer, cand, self.placer.links(cand.pp, cand.dp, cand.tp,
+                                                                                      cand.order, cand.cp))
+        return self.terms.memo[key]
 
     def problem(self, cand: Candidate) -> StageProblem:
         links = self.links(cand)
@@ -429,8 +433,8 @@ class Search:
                     ) -> dict:
         """Per-layer state and sync sums, memoised on `terms` (a MoE candidate's EP terms differ)."""
         terms = terms if terms is not None and terms.model.moe is not None else self.terms
-        key = ("sums", tp, dp, zero, link, sync)
-        if key not in terms.memo:
+        key = ("sums", tp, dp, zero, link, sync, getattr(terms, "ep", 1), getattr(terms, "expert_tp", 1))
+        if key not in self.terms.memo:  # per EP layout; the same for every CP degree and EP link
             state, opt, dps, gather, reduce = terms.per_layer(tp, dp, zero, link, sync)
             kinds = self.quick.kinds
             blocks = [i for i, k in enumerate(kinds) if k == "block"]
