@@ -433,7 +433,8 @@ class Search:
                     ) -> dict:
         """Per-layer state and sync sums, memoised on `terms` (a MoE candidate's EP terms differ)."""
         terms = terms if terms is not None and terms.model.moe is not None else self.terms
-        key = ("sums", tp, dp, zero, link, sync, getattr(terms, "ep", 1), getattr(terms, "expert_tp", 1))
+        layout = (terms.ep, terms.expert_tp) if hasattr(terms, "ep") else ()  # EP terms (cost_ep._EPMixin)
+        key = ("sums", tp, dp, zero, link, sync, layout)
         if key not in self.terms.memo:  # per EP layout; the same for every CP degree and EP link
             state, opt, dps, gather, reduce = terms.per_layer(tp, dp, zero, link, sync)
             kinds = self.quick.kinds
