@@ -113,7 +113,8 @@ def software(row: dict) -> dict:
     eager_norm = row["layout"].get("norm_type") == "rmsnorm"  # torchtitan's eager RMSNorm (profiler/roofline.NORM)
     return (base | {"sequence_parallel": sp} | ({"grad_bytes": 2} if pure else {})
             | ({"selective": selective} if selective else {}) | ({"grad_overlap": True} if torch_ddp else {})
-            | ({"norm": "eager-fp32"} if eager_norm else {}) | ({"fp8": fp8_recipe(row)} if row.get("fp8") else {}))
+            | ({"norm": "eager-fp32"} if eager_norm else {}) | ({"fp8": fp8_recipe(row)} if row.get("fp8") else {})
+            | ({"fp8_params": row["layout"]["fp8_params"]} if "fp8_params" in row["layout"] else {}))
 
 
 def fp8_recipe(row: dict) -> str:

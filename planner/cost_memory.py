@@ -18,7 +18,9 @@ Assumptions (documented once here):
 - Under an FP8 recipe (profiler/roofline.FP8) Transformer Engine caches each Linear's FP8 weight and its
   transpose for the step: 2 B per parameter of the blocks below ZeRO-3 (the embedding and the head stay
   16-bit: Megatron-Core builds them as plain embedding / ColumnParallelLinear, not TE modules); with ZeRO-3
-  they live with the gathered unit and are not counted.
+  they live with the gathered unit and are not counted. Software that keeps FP8 parameters (roofline
+  `fp8_params`: Megatron-Core's --fp8-param-gather with its distributed optimizer or FSDP, ZeRO >= 1) holds
+  no 16-bit copy of a block's Linear weights: the FP8 weight and its transpose are the parameter.
 """
 
 from __future__ import annotations
@@ -47,8 +49,16 @@ def fp8_weight_bytes(profile) -> float:
     return 2.0 if r is not None and r.fp8 != "none" else 0.0
 
 
+def fp8_params(profile, zero: int) -> bool:
+    """A block's Linear weights kept in FP8 (module docstring): the software's setting under an FP8 recipe,
+    with a sharded optimizer (Megatron-Core supports it with its distributed optimizer or FSDP only)."""
+    r = getattr(profile, "roofline", None)
+    return r is not None and r.fp8 != "none" and r.fp8_params and zero >= 1
+
+
 def state_bytes_per_param(dtype: str, zero: int, dp: int, accumulating: bool = False,
-                          grad: float | None = None, fp8_weights: float = 0.0) -> tuple[float, float, float]:
+                          grad: float | None = None, fp8_weights: float = 0.0, param: float | None = None
+                          ) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer) bytes per parameter on one device under ZeRO level `zero`, at the
     activation peak of a step as the executor runs it. FSDP2 (ZeRO ≥ 1, dp > 1) keeps each parameter's
     fp32 shard, and below ZeRO-3 also the gathered parameter for the whole step (ZeRO-3 gathers it per
@@ -59,9 +69,11 @@ def state_bytes_per_param(dtype: str, zero: int, dp: int, accumulating: bool = F
     gradients too. ZeRO-0 (`replicate`, FSDP2's engine on a replicated mesh) keeps a whole fp32 copy as
     its shard and the gathered parameter, so ZeRO-0 holds about as much parameter memory as ZeRO-1 (one
     fp32 copy more than plain DDP would). `grad`: bytes per gradient element where the software's differ
-    from the executor's (`grad_bytes`)."""
+    from the executor's (`grad_bytes`); `param`: bytes of the working parameter where not the dtype's
+    (0 with FP8 parameters, whose FP8 copies are `fp8_weights`)."""
     p, g, o = STATE_BYTES[dtype]
     g = g if grad is None else grad
+    p = p if param is None else param
     if dp <= 1:
         return p + fp8_weights, g, o
     shards = dp if zero >= 1 else 1  # replicate: FSDP2's engine over one shard, the whole parameter
@@ -73,9 +85,10 @@ def state_bytes_per_param(dtype: str, zero: int, dp: int, accumulating: bool = F
 def state_bytes(profile, dtype: str, zero: int, dp: int, accumulating: bool = False, block: bool = True
                 ) -> tuple[float, float, float]:
     """`state_bytes_per_param` as the profile's software holds it: its gradient bytes and, for a block's
-    parameters (`block`), the FP8 weight cache."""
+    parameters (`block`), the FP8 weight cache, or FP8 parameters in place of the 16-bit ones."""
     fp8 = fp8_weight_bytes(profile) if block else 0.0
-    return state_bytes_per_param(dtype, zero, dp, accumulating, grad_bytes(profile, dtype), fp8)
+    param = 0.0 if block and fp8_params(profile, zero) else None
+    return state_bytes_per_param(dtype, zero, dp, accumulating, grad_bytes(profile, dtype), fp8, param)
 
 
 @dataclass

@@ -87,6 +87,8 @@ def to_megatron(plan: Plan, warnings: list[str] | None = None) -> str:
         args.append((f"--{p.dtype}", None))
     if p.fp8 != "none":  # Transformer Engine: E4M3 forward, E5M2 gradients; current scaling is "tensorwise"
         args += [("--fp8-format", "hybrid"), ("--fp8-recipe", "delayed" if p.fp8 == "delayed" else "tensorwise")]
+        if p.zero >= 1:  # FP8 parameters, as `--software megatron` costs them (profiler/software.py)
+            args.append(("--fp8-param-gather", None))
     args += megatron_moe_args(plan, warn)
     args += megatron_cp_args(plan, warn)
     lines = [f"# Megatron-LM arguments for {m.name} on {plan.cluster.name}, from a meshplan plan",

@@ -24,8 +24,8 @@ def device_roofline(cluster: ClusterSpec, dtype: str, attention: str = "flash", 
                     grad_reduce: str = "reduce_scatter", grad_accum_bytes: float = 0.0,
                     selective: str = "attention", fsdp_copies: bool = True, loss: str = "fp32",
                     p2p: str = "overlapped", sharded_accumulation: bool = False, norm: str = "fused",
-                    software: str = "meshplan", fp8: str = "none", moe_dispatch: str = "gathered"
-                    ) -> Roofline | None:
+                    software: str = "meshplan", fp8: str = "none", moe_dispatch: str = "gathered",
+                    fp8_params: bool = False) -> Roofline | None:
     """The per-operation model of a GPU preset (None for a CPU or a device without SM count); the
     software settings default to the executor's (profiler/roofline.py). attention "flash1": software that
     ran FlashAttention-1 (cluster_spec.FLASH1_PRESETS)."""
@@ -53,7 +53,8 @@ def device_roofline(cluster: ClusterSpec, dtype: str, attention: str = "flash", 
                     fsdp_copies=fsdp_copies, loss=loss, p2p=p2p,
                     sharded_accumulation=sharded_accumulation, norm=norm, software=software, fp8=fp8,
                     fp8_peak_flops=d.peak_flops.get("fp8", 0.0), fp8_gemm_fraction=d.fp8_efficiency,
-                    fp8_gemm_k_ref=d.fp8_gemm_k_ref, moe_dispatch=moe_dispatch)
+                    fp8_gemm_k_ref=d.fp8_gemm_k_ref, moe_dispatch=moe_dispatch,
+                    fp8_params=fp8_params)
 
 
 def preset_profile(model: ModelSpec, cluster: ClusterSpec, dtype: str = "bf16", **software) -> Profile:

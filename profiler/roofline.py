@@ -170,6 +170,9 @@ class Roofline:
     software: str = "meshplan"  # the name these settings were made from (profiler/software.py), for reports
     fp8: str = "none"  # FP8
     moe_dispatch: str = "gathered"  # MOE_DISPATCH
+    # Under an FP8 recipe, the blocks' Linear weights kept in FP8 with no 16-bit copy (Megatron-Core's
+    # --fp8-param-gather; planner/cost_memory.py), not cast from 16-bit parameters each step (the executor).
+    fp8_params: bool = False
     # The device's FP8 tensor-core rates (0: none): dense peak, MAMF / peak, and the K of the MAMF shape
     fp8_peak_flops: float = 0.0
     fp8_gemm_fraction: float = 0.0
@@ -204,6 +207,7 @@ class Roofline:
                    f.bool("sharded_accumulation", default=False), f.str("norm", choices=NORM, default="fused"),
                    f.str("software", default="meshplan"), fp8=f.str("fp8", choices=FP8, default="none"),
                    moe_dispatch=f.str("moe_dispatch", choices=MOE_DISPATCH, default="gathered"),
+                   fp8_params=f.bool("fp8_params", default=False),
                    fp8_peak_flops=f.float("fp8_peak_flops", min=0.0, default=0.0),
                    fp8_gemm_fraction=f.float("fp8_gemm_fraction", min=0.0, default=0.0),
                    fp8_gemm_k_ref=f.float("fp8_gemm_k_ref", min=0.0, default=0.0))

@@ -40,6 +40,10 @@ or papers, not fitted values:
 - mixture-of-experts under expert tensor parallelism (roofline.MOE_DISPATCH): Megatron-Core's alltoall
   dispatcher sends each TP rank's sequence shard and gathers the received rows over the expert-TP group;
   the executor gathers the sequence first and dispatches all of it from every TP rank.
+- FP8 parameters (roofline fp8_params): NVIDIA's FP8 runs of Megatron-Core keep the blocks' weights in FP8
+  and gather them so (Megatron-Bridge's FP8 mixed-precision configs set fp8_param_gather = True,
+  src/megatron/bridge/training/mixed_precision.py; NeMo's DGX Cloud recipes +model.fp8_params); `plan
+  export --format megatron` passes --fp8-param-gather.
 - the data-parallel engine's copies (fsdp_copies): FSDP2 (torchtitan, the executor) copies parameters out
   of its all-gather buffer and gradients into its reduce buffer; Megatron-LM's DDP and distributed
   optimizer reduce and gather in the parameters' and gradients' own contiguous buffers; DeepSpeed's are
@@ -59,7 +63,8 @@ SOFTWARE: dict[str, dict] = {
     # torchtitan: the executor's stack (FSDP2, DTensor TP, flash SDPA); its selective AC is the per-op policy
     "torchtitan": dict(selective="every-second-mm"),
     # Megatron-Core (2023-): fused attention, shards kept, reduction overlapped, accumulation fused
-    "megatron": dict(activations="sharded", fsdp_copies=False, loss="megatron", moe_dispatch="sharded"),
+    "megatron": dict(activations="sharded", fsdp_copies=False, loss="megatron", moe_dispatch="sharded",
+                     fp8_params=True),
     # Megatron-LM as Korthikanti et al. 2022 ran it: unfused attention, reduction after the backward
     "megatron-2022": _MEGATRON_2022,
     # Megatron-LM as Narayanan et al. SC'21 ran it: no sequence parallelism, an accumulation pass of its own

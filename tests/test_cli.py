@@ -165,7 +165,8 @@ def test_preset_profile_file_carries_its_software(capsys, tmp_path):
 def test_fp8_plans_are_faster_exported_and_refused_by_the_executor(capsys, tmp_path):
     """--fp8 (Transformer Engine's recipes, costed as Megatron-Core runs them): the same pinned H100 plan
     predicts a shorter step than bf16, the plan JSON carries the recipe, Megatron's export names it
-    (--fp8-format hybrid, --fp8-recipe tensorwise for current scaling), and the executor refuses it in one line
+    (--fp8-format hybrid, --fp8-recipe tensorwise for current scaling, --fp8-param-gather), and the executor
+    refuses it in one line
     before any launch."""
     import json
 
@@ -182,6 +183,7 @@ def test_fp8_plans_are_faster_exported_and_refused_by_the_executor(capsys, tmp_p
     assert fp8["predicted"]["iteration_time_s"] < 0.8 * bf16["predicted"]["iteration_time_s"]
     code, out, _ = run(capsys, "export", str(path), "--format", "megatron")
     assert code == 0 and "--fp8-format hybrid" in out and "--fp8-recipe tensorwise" in out
+    assert "--fp8-param-gather" in out  # FP8 parameters with the sharded optimizer, as costed
     assert executor_main([str(path)]) == 2
     assert "plan.parallel.fp8: the executor trains without FP8" in capsys.readouterr().err
 

@@ -89,13 +89,15 @@ def test_grok_rows_pin_expert_parallelism():
 
 
 def test_dgxc_fp8_rows_mirror_the_bf16_layouts():
-    """The DGX Cloud FP8 rows run the BF16 rows' layouts under Transformer Engine's delayed scaling."""
+    """The DGX Cloud FP8 rows run the BF16 rows' layouts under Transformer Engine's delayed scaling, with FP8
+    parameters where the recipe asks for them."""
     rows = {r["id"]: r for r in ROWS if r["source_key"] in ("dgxc_benchmarking", "dgxc_benchmarking_fp8")}
     fp8 = [r for r in rows.values() if r["source_key"] == "dgxc_benchmarking_fp8"]
     assert len(fp8) == 35
     for row in fp8:
         twin = rows[row["id"].removesuffix("_fp8")]
-        assert {k: v for k, v in row["layout"].items() if k != "dtype"} == \
+        assert {k: v for k, v in row["layout"].items() if k not in ("dtype", "fp8_params")} == \
                {k: v for k, v in twin["layout"].items() if k != "dtype"}
+        assert row["layout"]["fp8_params"] == ("gpt3" not in row["id"])  # GPT-3's launch.sh sets no fp8_params
         assert row["fp8"] and published_runs.usable(row) and published_runs.fp8_recipe(row) == "delayed"
         assert row["published"]["iteration_time_s"] < twin["published"]["iteration_time_s"]

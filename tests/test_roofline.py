@@ -144,6 +144,26 @@ def test_fp8_activations_and_weight_cache():
         assert with_fp8 - without == pytest.approx(2.0 * layer.params if layer.kind == "block" else 0.0)
 
 
+def test_fp8_parameters_replace_the_16bit_weights():
+    """With FP8 parameters (Megatron-Core's --fp8-param-gather, `--software megatron`) a block's Linear weight is
+    its FP8 copy and transpose, 2 bytes, with no 16-bit parameter beside it; only with a sharded optimizer
+    (ZeRO >= 1): ZeRO-0 keeps 2 + 2. Megatron's bf16 gradients are fp32 (4 B), its optimizer 12 B over dp."""
+    from dataclasses import replace
+
+    from meshplan.planner.cost_memory import state_bytes
+    from meshplan.profiler.software import software_settings
+
+    model = builtin_model("llama3-8b")
+    mcore = preset_profile(model, parse_cluster("8xh100-80gb"), "bf16", fp8="delayed", **software_settings("megatron"))
+    assert state_bytes(mcore, "bf16", 1, 8) == (2.0, 4.0, 12.0 / 8)
+    assert state_bytes(mcore, "bf16", 0, 8) == (2.0 + 2.0, 4.0, 12.0)
+    assert state_bytes(mcore, "bf16", 1, 8, block=False) == (2.0, 4.0, 12.0 / 8)  # embedding, head: 16-bit
+    ours = preset_profile(model, parse_cluster("8xh100-80gb"), "bf16", fp8="delayed")
+    assert state_bytes(ours, "bf16", 1, 8) == (2.0 + 2.0, 4.0, 12.0 / 8)  # the executor casts each step
+    bf16 = replace(mcore, roofline=replace(mcore.roofline, fp8="none"))
+    assert state_bytes(bf16, "bf16", 1, 8) == (2.0, 4.0, 12.0 / 8)
+
+
 def test_sliding_window_core_scores_its_band():
     """A sliding window w < s: the flash core computes the band, s·w − w²/2 pairs per head instead of s²/2,
     at the measured causal rate of a w-long sequence (mistral-7b's shape: 32 heads of 128, w = 4096, s = 32768,
