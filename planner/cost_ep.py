@@ -42,7 +42,11 @@ each term is weighted by the sparse fraction):
   optimizer state sharded by ZeRO over the expert-data-parallel ranks dp·cp/ep (DESIGN.md §3), the rest
   of the block over dp·cp; their gradient reduction runs over those edp ranks. Token buffers at the
   block's peak: the received rows and the combine's output, 2 · imbalance · (T/tp)·top_k·h values (T·top_k·h
-  under expert TP, gathered over TP or dispatched whole).
+  under expert TP, gathered over TP or dispatched whole). Activations: the closed forms divide a MoE block's
+  by tp (profiler/moe_cost.block_ffn_activation_values); under expert TP the rows an expert multiplies are
+  whole on every TP rank, so the experts' input rows (imbalance · T·top_k·h) stay whole as Megatron-Core's
+  grouped Linear saves them, and in the executor also the experts' partial-sum output, which the routing
+  weights' gradient reads (executor/moe.MoE.forward): (1 − 1/tp) of them more (`whole_rows_bytes`).
 """
 
 from __future__ import annotations
@@ -250,8 +254,18 @@ class _EPMixin:
         def make():
             f, g, c, a = row
             df, dg = self.compute_delta(b, tp)
-            return f + df, g + dg, c + sum(self.ep_comm(b, tp)) + 2 * self.moe_tp(b, tp), a
+            return f + df, g + dg, c + sum(self.ep_comm(b, tp)) + 2 * self.moe_tp(b, tp), \
+                a + self.whole_rows_bytes(b, tp)
         return self._get(("ep kind", b, tp, schedule == "zero-bubble"), make)
+
+    def whole_rows_bytes(self, b: int, tp: int) -> float:
+        """Activation bytes of the mean block beyond the closed forms' ÷tp under expert TP (module docstring)."""
+        if self.model.moe is None or not self.expert_tp == tp > 1:
+            return 0.0
+        copies = 1 if sharded_dispatch(self.profile) else 2
+        rows = (self.imbalance if self.ep > 1 else 1.0) * local_tokens(b, self.s, self._cp()) * self.model.moe.top_k
+        return (sparse_fraction(self.model) * copies * rows * self.model.hidden_size * DTYPE_BYTES[self.dtype]
+                * (1 - 1 / tp))
 
     def compute_delta(self, b: int, tp: int) -> tuple[float, float]:
         """(forward, backward) seconds the busiest EP rank's experts add to the profile's block."""
@@ -264,6 +278,8 @@ class _EPMixin:
         rec, saving, rec_tp = super().recompute(b, tp, mode)
         if mode == "none" or not self.model.num_layers:
             return rec, saving, rec_tp
+        if mode != "full":  # the saving counts the whole rows the block kept; only full recompute drops them
+            saving -= self.whole_rows_bytes(b, tp)
         if not isinstance(self, CPTerms):  # Terms.recompute subtracts the block's whole communication value
             bias = sum(self.ep_comm(b, tp)) + 2 * self.moe_tp(b, tp)  # from the dense block's: give it back
             rec, rec_tp = rec + bias, rec_tp + bias

@@ -340,3 +340,24 @@ def test_ep_regroups_received_rows_by_local_expert():
         moved = passes * 2 * T * k * h * 2 + 5 * 2 * T * k * f
         assert moe_ffn_time(rl, MIXTRAL, T, 1, ep)[0] - moe_ffn_time(fast, MIXTRAL, T, 1, ep)[0] == \
             pytest.approx(moved / rate, rel=1e-6)
+
+
+def test_expert_tp_keeps_whole_rows():
+    """Under expert TP (tp 2, ep 4, imbalance 1.25) the rows an expert multiplies are whole on every TP rank:
+    beyond the closed forms' ÷tp the block keeps (1 − 1/2) of imbalance · T·top_k·h more values per saved
+    copy: the experts' input rows (Megatron-Core), and in the executor their partial-sum output as well.
+    Full recompute drops them with the block; selective keeps them. Folded EP (expert_tp 1): nothing."""
+    cluster = parse_cluster("8xh100-80gb")
+    base = dict(dp=4, tp=2, pp=1, v=1, schedule="1f1b", b=1, m=2, zero=1, recompute="none", ep=4, expert_tp=2)
+    T, k, h = 4096, 2, 4096
+    for software, copies in (({}, 2), ({"moe_dispatch": "sharded"}, 1)):
+        profile = preset_profile(MIXTRAL, cluster, "bf16", **software)
+        dense = Terms(MIXTRAL, profile, 4096, "bf16")
+        terms = ep_terms(dense, Candidate(**base), "intra_node", 1.25)
+        extra = copies * 1.25 * T * k * h * 2 * (1 - 1 / 2)
+        assert terms.kind("block", 1, 2)[3] - dense.kind("block", 1, 2)[3] == pytest.approx(extra)
+        assert terms.recompute(1, 2, "full")[1] - dense.recompute(1, 2, "full")[1] == pytest.approx(extra)
+        assert terms.recompute(1, 2, "selective")[1] == pytest.approx(dense.recompute(1, 2, "selective")[1])
+    folded = ep_terms(Terms(MIXTRAL, preset_profile(MIXTRAL, cluster, "bf16"), 4096, "bf16"),
+                      Candidate(**{**base, "ep": 8, "expert_tp": 1}), "intra_node", 1.25)
+    assert folded.whole_rows_bytes(1, 2) == 0.0
