@@ -85,6 +85,8 @@ def to_megatron(plan: Plan, warnings: list[str] | None = None) -> str:
                  "version; fall back to --use-distributed-optimizer (ZeRO-1) if it refuses")
     if p.dtype in ("bf16", "fp16"):
         args.append((f"--{p.dtype}", None))
+    if p.dtype == "bf16" and plan.search.software == "megatron-bridge":  # costed with bf16 gradients
+        args.append(("--grad-reduce-in-bf16", None))
     if p.fp8 != "none":  # Transformer Engine: E4M3 forward, E5M2 gradients; current scaling is "tensorwise"
         args += [("--fp8-format", "hybrid"), ("--fp8-recipe", "delayed" if p.fp8 == "delayed" else "tensorwise")]
         if p.zero >= 1:  # FP8 parameters, as `--software megatron` costs them (profiler/software.py)
@@ -332,8 +334,8 @@ EXPORTERS: dict[str, Callable[..., str]] = {"megatron": to_megatron, "torchtitan
 
 
 # The `plan --software` names whose costs an export target runs (profiler/software.py); the first to suggest
-SOFTWARE_OF = {"megatron": ("megatron", "megatron-2022", "megatron-2021"), "torchtitan": ("torchtitan",),
-               "deepspeed": ("megatron-deepspeed-2022",)}
+SOFTWARE_OF = {"megatron": ("megatron", "megatron-bridge", "megatron-2022", "megatron-2021"),
+               "torchtitan": ("torchtitan",), "deepspeed": ("megatron-deepspeed-2022",)}
 
 
 def main(argv: Sequence[str]) -> int:

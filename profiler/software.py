@@ -18,7 +18,9 @@ or papers, not fitted values:
   its shard (runtime/pipe/engine.py _bf16_reduce_grads).
 - gradient bytes: Megatron-LM in fp16 keeps and all-reduces 16-bit gradients (its default); in bf16 it
   forces fp32 accumulation and reduction (megatron/training/arguments.py), as DeepSpeed's BF16_Optimizer,
-  FSDP with an fp32 reduce dtype and the executor do: 4 bytes.
+  FSDP with an fp32 reduce dtype and the executor do: 4 bytes. Megatron-Bridge's performance recipes keep and
+  reduce them in bf16 (perf_recipes/_common.py and scripts/performance/configs: grad_reduce_in_fp32 = False;
+  Megatron-LM's --grad-reduce-in-bf16): 2 bytes.
 - gradient accumulation (grad_accum_bytes, per weight per micro-batch): Megatron-LM's local DDP of 2021
   adds each micro-batch's gradient into its buffer in a hook, main_grad.add_(grad) (megatron/model/
   distributed.py since b4bc51b1e7, 2021-03), 16-bit in fp16: read 2 + 2, write 2; in bf16 into the fp32
@@ -65,6 +67,9 @@ SOFTWARE: dict[str, dict] = {
     # Megatron-Core (2023-): fused attention, shards kept, reduction overlapped, accumulation fused
     "megatron": dict(activations="sharded", fsdp_copies=False, loss="megatron", moe_dispatch="sharded",
                      fp8_params=True),
+    # Megatron-Bridge's (NeMo 2's) performance recipes: Megatron-Core with gradients held and reduced in bf16
+    "megatron-bridge": dict(activations="sharded", fsdp_copies=False, loss="megatron", moe_dispatch="sharded",
+                            fp8_params=True, grad_bytes=2),
     # Megatron-LM as Korthikanti et al. 2022 ran it: unfused attention, reduction after the backward
     "megatron-2022": _MEGATRON_2022,
     # Megatron-LM as Narayanan et al. SC'21 ran it: no sequence parallelism, an accumulation pass of its own
@@ -91,6 +96,7 @@ ENGINES: dict[str, dict] = {
     "meshplan": {},
     "torchtitan": dict(engine_cp_modes=("ring", "all-gather")),
     "megatron": dict(engine_schedules=_MEGATRON_SCHEDULES),
+    "megatron-bridge": dict(engine_schedules=_MEGATRON_SCHEDULES),
     "megatron-2022": dict(engine_schedules=_MEGATRON_SCHEDULES, engine_zero=(0, 1), engine_cp_modes=()),
     "megatron-2021": dict(engine_schedules=_MEGATRON_SCHEDULES, engine_zero=(0,), engine_cp_modes=(),
                           engine_recompute=("none", "full")),

@@ -188,6 +188,27 @@ def test_fp8_plans_are_faster_exported_and_refused_by_the_executor(capsys, tmp_p
     assert "plan.parallel.fp8: the executor trains without FP8" in capsys.readouterr().err
 
 
+def test_megatron_bridge_software_reduces_bf16_gradients(capsys, tmp_path):
+    """--software megatron-bridge (NVIDIA's performance recipes): Megatron-Core with gradients held and reduced
+    in bf16, so the same pinned plan needs less memory than --software megatron; its Megatron export passes
+    --grad-reduce-in-bf16 and has no costing warning."""
+    import json
+
+    pinned = ["llama3-8b", "--cluster", "2x8xh100-80gb", "--global-batch-size", "64", "--seq-len", "4096", "--tp", "1",
+              "--pp", "1", "--zero", "1", "--micro-batch-size", "1", "--recompute", "none", "--json"]
+    code, out, _ = run(capsys, *pinned, "--software", "megatron")
+    mcore = json.loads(out)
+    path = tmp_path / "bridge.json"
+    code, _, _ = run(capsys, *pinned[:-1], "--software", "megatron-bridge", "-o", str(path))
+    bridge = json.loads(path.read_text())
+    assert code == 0 and bridge["search"]["software"] == "megatron-bridge"
+    # 8.03B parameters: 2 bytes less per gradient element on every rank
+    assert mcore["predicted"]["peak_memory_bytes"] - bridge["predicted"]["peak_memory_bytes"] == \
+        pytest.approx(2 * 8.03e9, rel=0.01)
+    code, out, err = run(capsys, "export", str(path), "--format", "megatron")
+    assert code == 0 and "--grad-reduce-in-bf16" in out and "costed as" not in err
+
+
 def test_fp8_preset_profile_file(capsys, tmp_path):
     """`plan profile --preset --fp8` writes the recipe into the profile; plans from it carry it, and --fp8
     against a profile made without it is one line, exit 2."""
