@@ -70,6 +70,7 @@ SOFTWARE: dict[str, str | dict] = {
     # NeMo 24.07 and Megatron-Bridge run Megatron-Core with Transformer Engine; their rows are FP8 (`fp8`)
     "nemo_perf_summary": "megatron",
     "megatron_bridge_perf_summary": "megatron-bridge",  # its performance recipes: bf16 gradients
+    "nemo_perf_summary_moe": "megatron-bridge",  # NeMo 2's performance scripts, Mixtral (MoE)
     # NVIDIA's DGX Cloud benchmarking recipes run NeMo 24.09/24.11 (Megatron-Core); their rows are BF16
     "dgxc_benchmarking": "megatron",
     "dgxc_benchmarking_fp8": "megatron",  # the same recipes' FP8 tables (Transformer Engine, delayed scaling)
