@@ -178,6 +178,8 @@ def constraints_of(row: dict, pinned: bool) -> Constraints:
     named = SOFTWARE.get(row["source_key"], {})
     engine = named if isinstance(named, str) else named.get("software")  # settings made from a named one
     c = replace(c, **engine_limits(engine)) if engine else c
+    if "moe_imbalance" in lay:  # how unevenly the source's router loads the experts: the workload's, not a layout's
+        c = replace(c, moe_imbalance=lay["moe_imbalance"])
     if not pinned:
         return c
     v = lay.get("virtual_stages") or 1
@@ -185,8 +187,8 @@ def constraints_of(row: dict, pinned: bool) -> Constraints:
     if lay.get("virtual_stages") is None:  # not published: the planner picks the schedule
         schedule = None
     cp = lay.get("cp") or 1
-    if lay.get("ep"):  # mixture of experts: EP, the experts' TP and how unevenly the source's router loads them
-        c = replace(c, ep=lay["ep"], expert_tp=lay.get("expert_tp"), moe_imbalance=lay.get("moe_imbalance", 1.25))
+    if lay.get("ep"):  # mixture of experts: EP and the experts' TP
+        c = replace(c, ep=lay["ep"], expert_tp=lay.get("expert_tp"))
     return replace(c, tp=lay["tp"], pp=lay["pp"], dp=lay["dp"], micro_batch_size=lay.get("micro_batch_size"),
                    virtual_stages=v if v > 1 else None, schedule=schedule, recompute=lay.get("recompute"),
                    zero=lay.get("zero"), cp=cp, cp_mode=CP_MODE.get(row["source_key"], "ring") if cp > 1 else None)

@@ -41,6 +41,7 @@ class Links:
     dp: str
     cp: str = "intra_node"
     ep: str = "intra_node"  # the worst EP group's class, members per domain too (planner/cost_ep.ep_link)
+    edp: str = ""  # the worst expert-data-parallel group's, as dp_cp_group ("": no EP; planner/cost_ep.edp_link)
     dp_local: int = 1  # fewest members of a dp x cp group inside one NVLink domain
     cp_spread: str = ""  # the cp groups' class for all-to-all (topology.spread_class: "inter_node/8"; "": cp)
 

@@ -124,8 +124,26 @@ def ep_link(placer, cand: Candidate) -> str:
     return memo[key]
 
 
+def edp_link(placer, cand: Candidate) -> str:
+    """Link class of the worst expert-data-parallel group as placed (the ranks holding the same experts, over
+    which ZeRO shards them and their gradients are reduced: every ep-th rank of the runs `ep_link` cuts), with
+    its fewest members per NVLink domain when it spans domains ("inter_node/2": NCCL reduces inside each domain
+    first and that many NICs carry the rest, Profile.collective_time), as Links.dp_cp_group for the dp x cp
+    group. ep 8 inside each 8-GPU node: one member per node, every byte through one NIC."""
+    memo = placer.__dict__.setdefault("_edp_links", {})
+    key = (cand.pp, cand.dp, cand.tp, cand.order, cand.cp, cand.ep, spans_tp(cand.ep, cand.tp, cand.expert_tp))
+    if key not in memo:
+        ranks = placer.place(cand.pp, cand.dp, cand.tp, cand.order, cand.cp).ranks  # [pp, dp, cp, tp]
+        if spans_tp(cand.ep, cand.tp, cand.expert_tp):
+            grid = ranks.reshape(cand.pp, cand.dp * cand.cp * cand.tp // cand.ep, cand.ep, 1)
+        else:
+            grid = ranks.reshape(cand.pp, cand.dp * cand.cp // cand.ep, cand.ep, cand.tp)
+        memo[key] = spread_class(placer.domains[grid], placer.sus[grid], 1)
+    return memo[key]
+
+
 def links_with_ep(placer, cand: Candidate, links: Links) -> Links:
-    return replace(links, ep=ep_link(placer, cand)) if cand.ep > 1 else links
+    return replace(links, ep=ep_link(placer, cand), edp=edp_link(placer, cand)) if cand.ep > 1 else links
 
 
 def local_tokens(b: int, s: int, cp: int) -> float:
@@ -222,8 +240,9 @@ class _EPMixin:
     ep_link: str
     imbalance: float
 
-    def _setup(self, base: Terms, ep: int, expert_tp: int, link: str, imbalance: float) -> None:
+    def _setup(self, base: Terms, ep: int, expert_tp: int, link: str, imbalance: float, edp_link: str) -> None:
         self.ep, self.expert_tp, self.ep_link, self.imbalance = ep, expert_tp, link, imbalance
+        self.edp_link = edp_link  # "": the dp x cp group's
         # the per-parameter terms depend on no candidate's CP or EP link: memoised on the root Terms, shared
         self.root = getattr(base, "root", base)
 
@@ -299,7 +318,10 @@ class _EPMixin:
     def per_layer(self, tp: int, dp: int, zero: int, link: str, sync: GradSync = GradSync(False, 1)
                   ) -> tuple[list, list, list, list, list]:
         """`dp` = dp·cp. A MoE block: experts ÷ (ep·expert_tp), ZeRO and gradient sync over their
-        expert-data-parallel ranks, dp·cp/ep (dp·cp·tp/ep folded over TP); the rest as Terms.per_layer."""
+        expert-data-parallel ranks, dp·cp/ep (dp·cp·tp/ep folded over TP) on those ranks' links (`edp_link`);
+        the rest as Terms.per_layer."""
+        elink = self.edp_link or link
+
         def make():
             base = self.root.per_layer(tp, dp, zero, link, sync)
             out = tuple(list(x) for x in base)
@@ -317,7 +339,7 @@ class _EPMixin:
                 if layer.params not in by_params:
                     rest = (layer.params - experts) / tp
                     tail_r, reduce_r = dp_reduction_times(self.profile, rest, self.dtype, dp, zero, link, sync)
-                    tail_e, reduce_e = dp_reduction_times(self.profile, ex, self.dtype, edp, zero, link, sync)
+                    tail_e, reduce_e = dp_reduction_times(self.profile, ex, self.dtype, edp, zero, elink, sync)
                     by_params[layer.params] = (
                         rest * bytes_dp + ex * bytes_edp,
                         optimizer_time(self.profile, rest, dp, zero, tp)
@@ -326,34 +348,36 @@ class _EPMixin:
                         + engine_copy_time(self.profile, ex, self.dtype, edp, zero, sync),
                         tail_r + tail_e,
                         None if in_situ else sharded_dp_time(self.profile, rest, self.dtype, dp, zero, link)
-                        + sharded_dp_time(self.profile, ex, self.dtype, edp, zero, link), reduce_r + reduce_e)
+                        + sharded_dp_time(self.profile, ex, self.dtype, edp, zero, elink), reduce_r + reduce_e)
                 state, opt, sync_s, per_mb, reduce = by_params[layer.params]
                 out[0][i], out[1][i], out[2][i], out[4][i] = state, opt, sync_s, reduce
                 if per_mb is not None:
                     out[3][i] = per_mb
             return out
-        return self.root._get(("ep layer", self.ep, self.expert_tp, tp, dp, zero, link, sync), make)
+        return self.root._get(("ep layer", self.ep, self.expert_tp, tp, dp, zero, link, elink, sync), make)
 
 
 class EPTerms(_EPMixin, Terms):
-    def __init__(self, base: Terms, ep: int, expert_tp: int, link: str, imbalance: float):
+    def __init__(self, base: Terms, ep: int, expert_tp: int, link: str, imbalance: float, edp_link: str = ""):
         Terms.__init__(self, base.model, base.profile, base.s, base.dtype)
-        self._setup(base, ep, expert_tp, link, imbalance)
+        self._setup(base, ep, expert_tp, link, imbalance, edp_link)
 
 
 class EPCPTerms(_EPMixin, CPTerms):
-    def __init__(self, base: CPTerms, ep: int, expert_tp: int, link: str, imbalance: float):
+    def __init__(self, base: CPTerms, ep: int, expert_tp: int, link: str, imbalance: float, edp_link: str = ""):
         CPTerms.__init__(self, base, base.cp, base.mode, base.link)
-        self._setup(base, ep, expert_tp, link, imbalance)
+        self._setup(base, ep, expert_tp, link, imbalance, edp_link)
 
 
-def ep_terms(terms: Terms, cand: Candidate, link: str, imbalance: float = DEFAULT_IMBALANCE) -> Terms:
-    """The Terms of a MoE model's candidate (`terms` itself for a dense model), memoised on `terms`."""
+def ep_terms(terms: Terms, cand: Candidate, link: str, imbalance: float = DEFAULT_IMBALANCE,
+             edp_link: str = "") -> Terms:
+    """The Terms of a MoE model's candidate (`terms` itself for a dense model), memoised on `terms`.
+    `link`: the EP group's (`ep_link`); `edp_link`: the expert-data-parallel group's ("": the dp x cp one's)."""
     if terms.model.moe is None:
         return terms
-    key = ("ep terms", cand.ep, cand.expert_tp, link, imbalance)
+    key = ("ep terms", cand.ep, cand.expert_tp, link, imbalance, edp_link)
     cls = EPCPTerms if isinstance(terms, CPTerms) else EPTerms
-    return terms._get(key, lambda: cls(terms, cand.ep, cand.expert_tp, link, imbalance))
+    return terms._get(key, lambda: cls(terms, cand.ep, cand.expert_tp, link, imbalance, edp_link))
 
 
 def add_ep_buffers(ws: Workspace, model: ModelSpec, cand: Candidate, s: int, dtype: str,

@@ -347,7 +347,8 @@ def build_problem(model: ModelSpec, profile, cand: Candidate, seq_len: int, dtyp
 
     base = terms or Terms(model, profile, seq_len, dtype)
     imbalance = getattr(base, "moe_imbalance", DEFAULT_IMBALANCE)  # MoE models (planner/cost_ep.py)
-    terms = ep_terms(cp_terms(base, cand.cp, cand.cp_mode, links.cp_link(cand.cp_mode)), cand, links.ep, imbalance)
+    terms = ep_terms(cp_terms(base, cand.cp, cand.cp_mode, links.cp_link(cand.cp_mode)), cand, links.ep, imbalance,
+                     links.edp)
     b, tp, pp, v, zero = cand.b, cand.tp, cand.pp, cand.v, cand.zero
     dp = cand.dp * cand.cp  # from here on: the ranks that average gradients and shard ZeRO state (dp x cp)
     kinds = [layer.kind for layer in model.layers]

@@ -259,7 +259,8 @@ class Search:
         its EP layout's (planner/cost_ep.py)."""
         cp_link = self.links(cand).cp_link(cand.cp_mode)
         terms = self.terms if cand.cp == 1 else cp_terms(self.terms, cand.cp, cand.cp_mode, cp_link)
-        return ep_terms(terms, cand, self.links(cand).ep, self.c.moe_imbalance)
+        links = self.links(cand)
+        return ep_terms(terms, cand, links.ep, self.c.moe_imbalance, links.edp)
 
     def reserve(self, cand: Candidate) -> Reserve:
         """Device memory outside the allocator on a rank of this candidate (planner/memory_reserve.py)."""
@@ -433,7 +434,8 @@ class Search:
                     ) -> dict:
         """Per-layer state and sync sums, memoised on `terms` (a MoE candidate's EP terms differ)."""
         terms = terms if terms is not None and terms.model.moe is not None else self.terms
-        layout = (terms.ep, terms.expert_tp) if hasattr(terms, "ep") else ()  # EP terms (cost_ep._EPMixin)
+        # EP terms (cost_ep._EPMixin): their layout and expert-data-parallel links
+        layout = (terms.ep, terms.expert_tp, terms.edp_link) if hasattr(terms, "ep") else ()
         key = ("sums", tp, dp, zero, link, sync, layout)
         if key not in self.terms.memo:  # per EP layout; the same for every CP degree and EP link
             state, opt, dps, gather, reduce = terms.per_layer(tp, dp, zero, link, sync)

@@ -149,6 +149,35 @@ def test_ep_link_by_placement():
     assert ep_link(placer, Candidate(dp=8, ep=16, **{**qwen, "tp": 2})) == "inter_node/8"
 
 
+def test_edp_link_by_placement():
+    """The expert-data-parallel groups (every ep-th rank of the EP runs) as placed on 8 nodes of 8: ep 8 fills a
+    node, so each edp group has one rank per node (flat, one NIC each); ep 4: two per node; ep 2: four; ep 16
+    spans two nodes, its edp group again one per node. Folded over tp 2 x dp 8 on 2 nodes, ep 8: {0, 8}."""
+    from meshplan.planner.cost_ep import edp_link
+
+    placer = Placer(parse_cluster("8x8xh100-80gb"))
+    one = dict(tp=1, pp=1, v=1, schedule="1f1b", b=1, m=1, zero=1, recompute="none", order=("pp", "dp", "tp"))
+    assert [edp_link(placer, Candidate(dp=64, ep=ep, **one)) for ep in (8, 4, 2, 16)] == \
+        ["inter_node", "inter_node/2", "inter_node/4", "inter_node"]
+    assert edp_link(Placer(CLUSTER), Candidate(dp=8, ep=8, **{**one, "tp": 2})) == "inter_node"
+
+
+def test_expert_gradients_reduce_on_their_own_group(profile):
+    """ep 4 over dp 64 on 8 nodes: the experts' gradients reduce over 16 ranks, two per node (two NICs per node
+    carry them), not over the dp group's eight per node."""
+    cand = Candidate(dp=64, tp=1, pp=1, v=1, schedule="1f1b", b=1, m=2, zero=1, recompute="none", ep=4)
+    base = Terms(MIXTRAL, profile, 4096, "bf16")
+    own = ep_terms(base, cand, "intra_node", 1.25, "inter_node/2").per_layer(1, 64, 1, "inter_node/8")
+    shared = ep_terms(base, cand, "intra_node", 1.25).per_layer(1, 64, 1, "inter_node/8")
+    experts = 1_409_286_144 / 4  # a rank's 2 experts of a block
+    sync = GradSync(False, 1)
+    from meshplan.planner.cost_collectives import dp_reduction_times
+    tail_own = dp_reduction_times(profile, experts, "bf16", 16, 1, "inter_node/2", sync)[0]
+    tail_shared = dp_reduction_times(profile, experts, "bf16", 16, 1, "inter_node/8", sync)[0]
+    assert own[2][1] - shared[2][1] == pytest.approx(tail_own - tail_shared)
+    assert tail_own > 2 * tail_shared  # a quarter of the NICs per node
+
+
 def test_spread_all_to_all_by_hand(profile):
     """16 ranks, 8 per node: each rank sends 16 chunks of nbytes/16; 7 go over NVLink, 8 over its NIC."""
     nbytes = dispatch_bytes(MIXTRAL, 4096.0, 1, "bf16", 1.0)
