@@ -40,7 +40,8 @@ each term is weighted by the sparse fraction):
   profiles time the executor's MoE at ep = 1; EP then scales the routed experts' share by the imbalance.
 - Memory: a MoE block's routed experts ÷ (ep · expert_tp) per rank instead of ÷ tp; their gradients and
   optimizer state sharded by ZeRO over the expert-data-parallel ranks dp·cp/ep (DESIGN.md §3), the rest
-  of the block over dp·cp; their gradient reduction runs over those edp ranks. Token buffers at the
+  of the block over dp·cp; their gradient reduction runs over those edp ranks, on their links as placed
+  (`edp_link`: every ep-th rank, so ep 8 inside 8-GPU nodes leaves one per node). Token buffers at the
   block's peak: the received rows and the combine's output, 2 · imbalance · (T/tp)·top_k·h values (T·top_k·h
   under expert TP, gathered over TP or dispatched whole). Activations: the closed forms divide a MoE block's
   by tp (profiler/moe_cost.block_ffn_activation_values); under expert TP the rows an expert multiplies are
