@@ -106,14 +106,12 @@ def ep_options(model: ModelSpec, dp: int, cp: int, tp: int, ep_pin: int | None, 
             if (ep_pin is None or ep == ep_pin) and (etp_pin is None or etp == etp_pin)]
 
 
-def ep_link(placer, cand: Candidate) -> str:
-    """Link class of the worst EP group as placed, with its fewest members per NVLink domain when it spans
-    domains ("inter_node/8", cost_cp.all_to_all_time): the dp·cp ranks of each (pp, tp) position,
-    dp-major and cp-minor, cut into runs of ep, or folded over TP the dp·cp·tp ranks of each pp position
-    (executor/expert_parallel.expert_meshes)."""
-    if cand.ep <= 1:
-        return "intra_node"
-    memo = placer.__dict__.setdefault("_ep_links", {})
+def _expert_group_links(placer, cand: Candidate) -> tuple[str, str]:
+    """(EP group's, expert-data-parallel group's) link classes as placed, each with its fewest members per
+    NVLink domain when it spans domains (topology.spread_class), from one grid of the candidate's ranks: the
+    dp·cp ranks of each (pp, tp) position, dp-major and cp-minor, cut into runs of ep (or folded over TP the
+    dp·cp·tp ranks of each pp position), executor/expert_parallel.expert_meshes's (edp, ep) layout."""
+    memo = placer.__dict__.setdefault("_expert_links", {})
     key = (cand.pp, cand.dp, cand.tp, cand.order, cand.cp, cand.ep, spans_tp(cand.ep, cand.tp, cand.expert_tp))
     if key not in memo:
         ranks = placer.place(cand.pp, cand.dp, cand.tp, cand.order, cand.cp).ranks  # [pp, dp, cp, tp]
@@ -121,8 +119,15 @@ def ep_link(placer, cand: Candidate) -> str:
             grid = ranks.reshape(cand.pp, cand.dp * cand.cp * cand.tp // cand.ep, cand.ep, 1)
         else:
             grid = ranks.reshape(cand.pp, cand.dp * cand.cp // cand.ep, cand.ep, cand.tp)
-        memo[key] = spread_class(placer.domains[grid], placer.sus[grid], 2)
+        domains, sus = placer.domains[grid], placer.sus[grid]
+        memo[key] = spread_class(domains, sus, 2), spread_class(domains, sus, 1)
     return memo[key]
+
+
+def ep_link(placer, cand: Candidate) -> str:
+    """Link class of the worst EP group as placed, with its fewest members per NVLink domain when it spans
+    domains ("inter_node/8", cost_cp.all_to_all_time): a run of ep ranks (`_expert_group_links`)."""
+    return _expert_group_links(placer, cand)[0] if cand.ep > 1 else "intra_node"
 
 
 def edp_link(placer, cand: Candidate) -> str:
@@ -131,16 +136,7 @@ def edp_link(placer, cand: Candidate) -> str:
     its fewest members per NVLink domain when it spans domains ("inter_node/2": NCCL reduces inside each domain
     first and that many NICs carry the rest, Profile.collective_time), as Links.dp_cp_group for the dp x cp
     group. ep 8 inside each 8-GPU node: one member per node, every byte through one NIC."""
-    memo = placer.__dict__.setdefault("_edp_links", {})
-    key = (cand.pp, cand.dp, cand.tp, cand.order, cand.cp, cand.ep, spans_tp(cand.ep, cand.tp, cand.expert_tp))
-    if key not in memo:
-        ranks = placer.place(cand.pp, cand.dp, cand.tp, cand.order, cand.cp).ranks  # [pp, dp, cp, tp]
-        if spans_tp(cand.ep, cand.tp, cand.expert_tp):
-            grid = ranks.reshape(cand.pp, cand.dp * cand.cp * cand.tp // cand.ep, cand.ep, 1)
-        else:
-            grid = ranks.reshape(cand.pp, cand.dp * cand.cp // cand.ep, cand.ep, cand.tp)
-        memo[key] = spread_class(placer.domains[grid], placer.sus[grid], 1)
-    return memo[key]
+    return _expert_group_links(placer, cand)[1]
 
 
 def links_with_ep(placer, cand: Candidate, links: Links) -> Links:
@@ -279,13 +275,17 @@ class _EPMixin:
         return self._get(("ep kind", b, tp, schedule == "zero-bubble"), make)
 
     def whole_rows_bytes(self, b: int, tp: int) -> float:
-        """Activation bytes of the mean block beyond the closed forms' ÷tp under expert TP (module docstring)."""
+        """Activation bytes of the mean block beyond the closed forms' ÷tp under expert TP (module docstring);
+        memoised: every candidate's recompute asks for it."""
         if self.model.moe is None or not self.expert_tp == tp > 1:
             return 0.0
-        copies = 1 if sharded_dispatch(self.profile) else 2
-        rows = (self.imbalance if self.ep > 1 else 1.0) * local_tokens(b, self.s, self._cp()) * self.model.moe.top_k
-        return (sparse_fraction(self.model) * copies * rows * self.model.hidden_size * DTYPE_BYTES[self.dtype]
-                * (1 - 1 / tp))
+
+        def make():
+            copies = 1 if sharded_dispatch(self.profile) else 2
+            rows = (self.imbalance if self.ep > 1 else 1.0) * local_tokens(b, self.s, self._cp()) * self.model.moe.top_k
+            return (sparse_fraction(self.model) * copies * rows * self.model.hidden_size * DTYPE_BYTES[self.dtype]
+                    * (1 - 1 / tp))
+        return self._get(("whole rows", b, tp), make)
 
     def compute_delta(self, b: int, tp: int) -> tuple[float, float]:
         """(forward, backward) seconds the busiest EP rank's experts add to the profile's block."""

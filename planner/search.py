@@ -432,7 +432,8 @@ class Search:
 
     def _layer_sums(self, tp: int, dp: int, zero: int, link: str, sync: GradSync, terms: Terms | None = None
                     ) -> dict:
-        """Per-layer state and sync sums, memoised on `terms` (a MoE candidate's EP terms differ)."""
+        """Per-layer state and sync sums, memoised on the shared Terms per EP layout (a MoE candidate's EP
+        terms differ; not its CP degree or EP link)."""
         terms = terms if terms is not None and terms.model.moe is not None else self.terms
         # EP terms (cost_ep._EPMixin): their layout and expert-data-parallel links
         layout = (terms.ep, terms.expert_tp, terms.edp_link) if hasattr(terms, "ep") else ()

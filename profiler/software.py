@@ -56,6 +56,8 @@ from __future__ import annotations
 
 from meshplan.planner.errors import InputError
 
+_MEGATRON_CORE = dict(activations="sharded", fsdp_copies=False, loss="megatron", moe_dispatch="sharded",
+                      fp8_params=True)
 _MEGATRON_2022 = dict(attention="unfused", activations="sharded", grad_overlap=False, fsdp_copies=False,
                       loss="megatron")
 
@@ -65,11 +67,9 @@ SOFTWARE: dict[str, dict] = {
     # torchtitan: the executor's stack (FSDP2, DTensor TP, flash SDPA); its selective AC is the per-op policy
     "torchtitan": dict(selective="every-second-mm"),
     # Megatron-Core (2023-): fused attention, shards kept, reduction overlapped, accumulation fused
-    "megatron": dict(activations="sharded", fsdp_copies=False, loss="megatron", moe_dispatch="sharded",
-                     fp8_params=True),
+    "megatron": _MEGATRON_CORE,
     # Megatron-Bridge's (NeMo 2's) performance recipes: Megatron-Core with gradients held and reduced in bf16
-    "megatron-bridge": dict(activations="sharded", fsdp_copies=False, loss="megatron", moe_dispatch="sharded",
-                            fp8_params=True, grad_bytes=2),
+    "megatron-bridge": dict(_MEGATRON_CORE, grad_bytes=2),
     # Megatron-LM as Korthikanti et al. 2022 ran it: unfused attention, reduction after the backward
     "megatron-2022": _MEGATRON_2022,
     # Megatron-LM as Narayanan et al. SC'21 ran it: no sequence parallelism, an accumulation pass of its own
@@ -96,7 +96,7 @@ ENGINES: dict[str, dict] = {
     "meshplan": {},
     "torchtitan": dict(engine_cp_modes=("ring", "all-gather")),
     "megatron": dict(engine_schedules=_MEGATRON_SCHEDULES),
-    "megatron-bridge": dict(engine_schedules=_MEGATRON_SCHEDULES),
+    "megatron-bridge": dict(engine_schedules=_MEGATRON_SCHEDULES),  # Megatron-Core's
     "megatron-2022": dict(engine_schedules=_MEGATRON_SCHEDULES, engine_zero=(0, 1), engine_cp_modes=()),
     "megatron-2021": dict(engine_schedules=_MEGATRON_SCHEDULES, engine_zero=(0,), engine_cp_modes=(),
                           engine_recompute=("none", "full")),
