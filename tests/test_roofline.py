@@ -610,3 +610,16 @@ def test_moe_fp8_correction_removes_the_dense_casts_the_block_charged():
     cast = r.fp8_cast_bytes
     want = sparse_fraction(model) * (r.bytes_time(cast * T * (n_up_f + h)) - r.bytes_time(cast * T * (n_up_f + h / tp)))
     assert shard - full == pytest.approx(want)
+
+
+def test_roofline_refuses_bad_software_fields():
+    """A profile's roofline names its MoE dispatcher and FP8 parameters; a bad value is one line naming the field."""
+    from meshplan.planner.errors import InputError
+    from meshplan.profiler.roofline import Roofline
+
+    data = A100.to_dict()
+    assert Roofline.from_dict(data, "profile.roofline") == A100
+    with pytest.raises(InputError, match=r"profile\.roofline\.moe_dispatch: expected one of gathered, sharded"):
+        Roofline.from_dict(data | {"moe_dispatch": "bogus"}, "profile.roofline")
+    with pytest.raises(InputError, match=r"profile\.roofline\.fp8_params"):
+        Roofline.from_dict(data | {"fp8_params": "yes"}, "profile.roofline")
