@@ -94,6 +94,10 @@ class LinkSpec:
     efficiency: float = 1.0  # the bus bandwidth NCCL reaches over it (nccl-tests busbw) / bandwidth_Bps
     # all-reduce bus bandwidth by payload as measured, ((bytes, B/s), ...); empty: efficiency at every size
     busbw_curve: tuple[tuple[float, float], ...] = ()
+    # the least ranks for which NCCL runs an all-reduce as NVLS (NVLink SHARP, reduced in the switch), when
+    # the curve was measured so; every other collective on the link runs NCCL's ring, at most `bus_Bps`.
+    # 0: the curve is the ring's
+    nvls_min_ranks: int = 0
 
     @property
     def bus_Bps(self) -> float:
@@ -113,7 +117,8 @@ class LinkSpec:
                                                                         for x in p) for p in curve):
             raise InputError(f"{path}.busbw_curve: expected a list of [bytes, B/s] pairs")
         return cls(bandwidth_Bps=bw, latency_s=f.float("latency_s", min=0.0), efficiency=eff,
-                   busbw_curve=tuple((float(a), float(b)) for a, b in curve))
+                   busbw_curve=tuple((float(a), float(b)) for a, b in curve),
+                   nvls_min_ranks=f.int("nvls_min_ranks", min=0, default=0))
 
 
 def _host_memory_bytes() -> int:
@@ -256,6 +261,11 @@ _NVLINK_LAT, _NET_LAT = 1.9e-6, 4.0e-6
 # "Real network throughput"): A100, nccl-tests all_reduce_perf 32 KiB-16 GiB; H200, all_reduce_bench.py with
 # NCCL's defaults (NVLS on: 482 GB/s at 16 GiB; H100 has the same NVLink4 / NVSwitch); B200, all_reduce_bench.py
 # on one P6-B200 node (nccl 2.27.7). Payloads are 32 KiB x 2^i.
+# NVLS, NVLink SHARP, is behind the H200 and B200 curves' top: NCCL runs it for an all-reduce over more than 4
+# H200s (5 GPUs: 414.2 GB/s against 364.4 with NVLS off; 8: 473.1 against 365.6) and more than 5 B200s, and
+# for no other collective: on the same H200 node all-gather 361.4 and reduce-scatter 362.9 GB/s at 16 GiB,
+# the ring's, as the all-reduce's 367.2 with NVLS off (ml-engineering network/README.md @744d01e1, "NVLink
+# SHARP"). So those run at most the ring's bus bandwidth (`LinkSpec.nvls_min_ranks`).
 _SIZES = [32768 * 2**i for i in range(20)]
 
 
@@ -274,9 +284,9 @@ _NDR = LinkSpec(50e9, _NET_LAT, 47 / 50)
 LINK_PRESETS: dict[str, tuple[LinkSpec, LinkSpec]] = {  # (intra-node, inter-node)
     "a100-40gb": (LinkSpec(300e9, _NVLINK_LAT, 234.89 / 300, A100_BUSBW), _HDR),
     "a100-80gb": (LinkSpec(300e9, _NVLINK_LAT, 234.89 / 300, A100_BUSBW), _HDR),
-    "h100-80gb": (LinkSpec(450e9, _NVLINK_LAT, 367.2 / 450, H200_BUSBW), _NDR),
-    "h200-141gb": (LinkSpec(450e9, _NVLINK_LAT, 367.2 / 450, H200_BUSBW), _NDR),
-    "b200-180gb": (LinkSpec(900e9, _NVLINK_LAT, 682.2 / 900, B200_BUSBW), _NDR),
+    "h100-80gb": (LinkSpec(450e9, _NVLINK_LAT, 367.2 / 450, H200_BUSBW, nvls_min_ranks=5), _NDR),
+    "h200-141gb": (LinkSpec(450e9, _NVLINK_LAT, 367.2 / 450, H200_BUSBW, nvls_min_ranks=5), _NDR),
+    "b200-180gb": (LinkSpec(900e9, _NVLINK_LAT, 682.2 / 900, B200_BUSBW, nvls_min_ranks=6), _NDR),
     # NVL72: NVLink5 across the rack; ring all-reduce busbw 680 GB/s (NVIDIA GTC slide cited in
     # ml-engineering network/README.md L957); one ConnectX-7 400 Gb/s per GPU (DGX GB200 user guide).
     "gb200-186gb": (LinkSpec(900e9, _NVLINK_LAT, 680 / 900), _NDR),

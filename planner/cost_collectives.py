@@ -14,8 +14,8 @@ from meshplan.profiler.analytic import DTYPE_BYTES
 
 def tp_comm_time(profile, kind: str, b: int, s: int, h: int, tp: int, dtype: str, mode: str) -> float:
     """TP collectives per micro-batch (Shoeybi et al. 2019, §3): a block does 2 all-reduces of b·s·h in
-    forward and 2 in backward (with sequence parallelism the same volume as all-gather + reduce-scatter
-    pairs, Korthikanti et al. 2022 §4.2.2); full recompute repeats the 2 forward ones, torchtitan's selective
+    forward and 2 in backward (with sequence parallelism all-gather + reduce-scatter pairs of the same
+    volume, Korthikanti et al. 2022 §4.2.2); full recompute repeats the 2 forward ones, torchtitan's selective
     policies (profiler/roofline.SELECTIVE) one on average: every second block repeats both, or every block
     its two all-gathers (half an all-reduce each; reduce-scatter outputs are kept). The vocab-parallel
     embedding reduces once in forward, the head's input gradient once in backward. Zero when the profiler
@@ -26,7 +26,12 @@ def tp_comm_time(profile, kind: str, b: int, s: int, h: int, tp: int, dtype: str
     again = 2 if mode == "full" else 1 if mode == "selective" and r is not None and r.selective != "attention" else 0
     count = {"block": 4 + again, "embedding": 1, "head": 1}[kind]
     nbytes = b * s * h * DTYPE_BYTES[dtype]
-    return count * profile.collective_time("all_reduce", nbytes, tp, "intra_node") * profile.correction("tp_comm")
+    if r is not None and r.sequence_parallel:  # as the pairs they are: NVLS speeds none of them (LinkFit)
+        one = (profile.collective_time("all_gather", nbytes, tp, "intra_node")
+               + profile.collective_time("reduce_scatter", nbytes, tp, "intra_node"))
+    else:
+        one = profile.collective_time("all_reduce", nbytes, tp, "intra_node")
+    return count * one * profile.correction("tp_comm")
 
 
 def dp_ops(zero: int, grad_reduce: str = "reduce_scatter") -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -140,10 +140,18 @@ class LinkFit:
     # presets: nccl-tests' all-reduce bus bandwidth by payload, [[bytes, B/s], ...] (latency included); when
     # given, collectives follow it instead of alpha and beta (planner/cluster_spec.py cites the sweeps)
     busbw_curve: list[list[float]] = field(default_factory=list)
+    # where the curve is NVLS's (planner/cluster_spec.LinkSpec.nvls_min_ranks): an all-reduce over this many
+    # ranks or more follows it; other collectives and smaller groups run the ring, at most ring_busbw B/s
+    nvls_min_ranks: int = 0
+    ring_busbw: float = 0.0
 
-    def collective_time(self, op: str, nbytes: float, steps: float, factor: float) -> float:
+    def collective_time(self, op: str, nbytes: float, steps: float, factor: float, ranks: int = 0) -> float:
         if self.busbw_curve and op != "send_recv":
-            return factor * max(nbytes, 1.0) / busbw_at(self.busbw_curve, nbytes)
+            busbw = busbw_at(self.busbw_curve, nbytes)
+            nvls = op == "all_reduce" and ranks >= self.nvls_min_ranks
+            if self.nvls_min_ranks and self.ring_busbw > 0 and not nvls:
+                busbw = min(busbw, self.ring_busbw)
+            return factor * max(nbytes, 1.0) / busbw
         return self.alpha_s * steps + self.beta_s_per_byte * factor * nbytes
 
     @classmethod
@@ -155,7 +163,8 @@ class LinkFit:
             raise InputError(f"{path}.busbw_curve: expected a list of [bytes, B/s] pairs")
         return cls(f.float("alpha_s", min=0.0), f.float("beta_s_per_byte", min=0.0),
                    f.int("measured_group_size", min=0, default=0), f.float("spread", min=0.0, default=0.0),
-                   f.float("fit_error", min=0.0, default=0.0), [[float(a), float(b)] for a, b in curve])
+                   f.float("fit_error", min=0.0, default=0.0), [[float(a), float(b)] for a, b in curve],
+                   f.int("nvls_min_ranks", min=0, default=0), f.float("ring_busbw", min=0.0, default=0.0))
 
 
 def busbw_at(curve: list[list[float]], nbytes: float) -> float:
@@ -426,7 +435,7 @@ class Profile:
         fits = self.links.get(link_class) or (link_class == "inter_leaf" and self.links.get("inter_node")) \
             or self.links["intra_node"]
         fit = fits.get(op) or fits["all_reduce"]
-        ring = fit.collective_time(op, nbytes, steps, factor)
+        ring = fit.collective_time(op, nbytes, steps, factor, n)
         if op != "all_reduce" or link_class == "intra_node" or fit.busbw_curve or nodes <= 2:
             return ring
         return min(ring, tree_all_reduce_time(fit.alpha_s, fit.beta_s_per_byte, nbytes, nodes))

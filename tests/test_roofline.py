@@ -1,5 +1,6 @@
 """The per-operation preset model and the topology against hand calculations from their sources."""
 
+import json
 import math
 from dataclasses import asdict
 
@@ -250,6 +251,31 @@ def test_ring_all_reduce_on_nccl_bus_bandwidth():
     assert 171.54e9 < bw < 176.92e9
     inter = profile.collective_time("all_reduce", 2**30, 16, "inter_node")
     assert inter == pytest.approx(30 * 4e-6 + 2 * 15 / 16 * 2**30 / 24e9)
+
+
+def test_nvls_speeds_only_wide_all_reduces():
+    """8x H200 (ml-engineering network/README.md, "NVLink SHARP"): NCCL reduces in the NVSwitch (NVLS) only
+    for an all-reduce over more than 4 GPUs, 482.26 GB/s at 16 GiB with NVLS against 367.2 without;
+    all-gather and reduce-scatter run the ring (361.4, 362.9). H100 has the same NVLink4 / NVSwitch."""
+    profile = preset_profile(builtin_model("tiny"), parse_cluster("8xh100-80gb"), "bf16")
+    big = 16 * 2**30
+    assert profile.collective_time("all_reduce", big, 8, "intra_node") == pytest.approx(2 * 7 / 8 * big / 482.26e9)
+    assert profile.collective_time("all_gather", big, 8, "intra_node") == pytest.approx(7 / 8 * big / 367.2e9)
+    assert profile.collective_time("reduce_scatter", big, 8, "intra_node") == pytest.approx(7 / 8 * big / 367.2e9)
+    assert profile.collective_time("all_reduce", big, 4, "intra_node") == pytest.approx(2 * 3 / 4 * big / 367.2e9)
+    # below the ring's bandwidth the curve holds for every collective: NCCL runs ring LL up to 1 MiB
+    assert profile.collective_time("all_gather", 2**20, 8, "intra_node") == pytest.approx(
+        7 / 8 * 2**20 / 39.93e9)
+    # A100 has no NVLS: its curve is the ring's, for every collective and group
+    a100 = preset_profile(builtin_model("tiny"), parse_cluster("8xa100-80gb"), "bf16")
+    assert a100.collective_time("all_gather", 2**30, 8, "intra_node") == pytest.approx(7 / 8 * 2**30 / 229.04e9)
+    # a cluster file can say so for its own links; it survives the profile's JSON
+    from meshplan.planner.cluster_spec import LinkSpec
+    from meshplan.profiler.profile import Profile
+
+    assert LinkSpec.from_dict({"bandwidth_Bps": 1e9, "latency_s": 0, "nvls_min_ranks": 5}, "x").nvls_min_ranks == 5
+    again = Profile.from_dict(json.loads(json.dumps(profile.to_dict())))
+    assert again.collective_time("all_gather", big, 8, "intra_node") == pytest.approx(7 / 8 * big / 367.2e9)
 
 
 def test_topology_link_classes():
