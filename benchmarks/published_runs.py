@@ -78,6 +78,9 @@ SOFTWARE: dict[str, str | dict] = {
     "dgxc_benchmarking_moe": "megatron",  # Grok-1 (MoE): all-to-all token dispatcher, experts padded to capacity
     "llm_foundry_mpt": dict(attention="flash1", loss="fused", **_NO_COPIES),
     "torchtitan": "torchtitan",
+    # OLMo-core's FSDP2 training (blocks compiled, torch SDPA): the executor's stack; its rows say which loss
+    # ran (`fused_loss`)
+    "olmo_core_readme": "torchtitan",
 }
 
 
@@ -112,9 +115,11 @@ def software(row: dict) -> dict:
     base = software_settings(named, dtype) if isinstance(named, str) else named
     torch_ddp = row["layout"].get("ddp_impl") == "torch"  # SC'21 below 39B: torch's DDP, overlapped buckets
     eager_norm = row["layout"].get("norm_type") == "rmsnorm"  # torchtitan's eager RMSNorm (profiler/roofline.NORM)
+    fused_loss = row["layout"].get("fused_loss")  # OLMo-core's Triton cross-entropy (profiler/roofline.LOSS)
     return (base | {"sequence_parallel": sp} | ({"grad_bytes": 2} if pure else {})
             | ({"selective": selective} if selective else {}) | ({"grad_overlap": True} if torch_ddp else {})
-            | ({"norm": "eager-fp32"} if eager_norm else {}) | ({"fp8": fp8_recipe(row)} if row.get("fp8") else {})
+            | ({"norm": "eager-fp32"} if eager_norm else {}) | ({"loss": "fused"} if fused_loss else {})
+            | ({"fp8": fp8_recipe(row)} if row.get("fp8") else {})
             | ({"fp8_params": row["layout"]["fp8_params"]} if "fp8_params" in row["layout"] else {}))
 
 

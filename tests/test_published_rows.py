@@ -101,3 +101,20 @@ def test_dgxc_fp8_rows_mirror_the_bf16_layouts():
         assert row["layout"]["fp8_params"] == ("gpt3" not in row["id"])  # GPT-3's launch.sh sets no fp8_params
         assert row["fp8"] and published_runs.usable(row) and published_runs.fp8_recipe(row) == "delayed"
         assert row["published"]["iteration_time_s"] < twin["published"]["iteration_time_s"]
+
+
+def test_olmo_core_rows_run_the_loss_their_script_chose():
+    """OLMo-core's README throughput table (41400c46f): the 7B, 8B and 13B scripts set fused_loss=True (its Triton
+    cross-entropy: 16-bit logits kept, "fused"), the 1B script does not (eager cross-entropy on logits.float()).
+    Each row's time is its batch in tokens over the published tokens/s per device on one node of 8 GPUs."""
+    rows = [r for r in ROWS if r["source_key"] == "olmo_core_readme"]
+    assert len(rows) == 4
+    for row in rows:
+        fused = "fused_loss=True" in row["quote"]
+        assert row["layout"]["fused_loss"] is fused
+        assert published_runs.software(row).get("loss", "fp32") == ("fused" if fused else "fp32"), row["id"]
+        lay, tps = row["layout"], row["published"]["tokens_per_s_per_gpu"]
+        model = published_runs.model_of(row)
+        assert published_runs.published_time(row, model) == lay["global_batch_size"] * 4096 / (tps * 8)
+        assert f"rank_microbatch_size={lay['micro_batch_size']} * 4096" in row["quote"]
+    assert sum(r["layout"]["fused_loss"] for r in rows) == 3
