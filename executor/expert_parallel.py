@@ -32,20 +32,25 @@ Tensor parallelism: attention is tensor-parallel as usual.
 - expert_tp = 1 without sequence parallelism: every TP rank holds the whole sequence and runs the MoE
   replicated (same tokens, identical gradients): the tp ranks repeat the MoE's work.
 - expert_tp = tp (Megatron-Core's expert tensor parallelism, torchtitan's ExpertTensorParallel): each
-  expert's width is split over the TP group (every TP rank routes the whole sequence, gathered under
-  sequence parallelism), w1/w3 on their output (expert-ffn) dim, w2 on its input dim,
-  as DTensors on the (ep, tp) mesh (`shard_experts_over_tp`, then `apply_ep`); shared experts are
-  column/row-parallel alike. Each TP rank computes its width shard of every routed row, so the block's
-  output is a partial sum over TP, reduced by the block's output hook (all-reduce, or reduce-scatter onto
-  the sequence shard with sequence parallelism). The tensors every TP rank holds whole that feed those
-  partial sums (the experts' input rows, the routing weights, the shared-expert gate) sum their gradients
-  over TP in backward (moe.MoE._whole_over_tp).
+  expert's width is split over the TP group, w1/w3 on their output (expert-ffn) dim, w2 on its input dim,
+  as DTensors on the (ep, tp) mesh (`shard_experts_over_tp`, then `apply_ep`). Under sequence parallelism
+  it runs as Megatron-Core's alltoall dispatcher does: each TP rank routes its own sequence shard and
+  dispatches those rows over its EP group; the rows it receives are gathered over TP, each TP rank computes
+  its width shard of all of them, and the partial sums are reduce-scattered back onto the rows it received
+  before the combine (`AllToAllDispatch` with a TP group), so the MoE's output is whole on the shard, the
+  all-to-all carries T/tp rows per rank, and the router and the shared-expert gate are replicated over TP
+  with their gradients summed over it; shared experts are column/row-parallel over the shard's rows.
+  Without sequence parallelism every TP rank routes the whole sequence, the block's output is a partial
+  sum over TP, all-reduced by the block's output hook, and the tensors every TP rank holds whole that feed
+  those partial sums (the experts' input rows, the routing weights, the shared-expert gate) sum their
+  gradients over TP in backward (moe.MoE._whole_over_tp).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from meshplan.executor.moe import GroupedExperts, MoE, moe_modules
 from meshplan.planner.plan import ParallelConfig
@@ -70,27 +75,77 @@ def expert_meshes(mesh: DeviceMesh, cfg: ParallelConfig) -> tuple[DeviceMesh, De
 
 
 class AllToAllDispatch:
-    """Dispatch routed rows to the EP ranks of their experts, compute the local experts, combine back."""
+    """Dispatch routed rows to the EP ranks of their experts, compute the local experts, combine back.
+    `tp_group` (expert_tp = tp under sequence parallelism, Megatron-Core's alltoall dispatcher): each TP rank
+    dispatches the rows of its own sequence shard; the rows it receives are gathered over TP, every TP rank
+    computes its width shard of all of them, and the experts' output, a partial sum over TP, is
+    reduce-scattered back onto the rows each TP rank received before the combine. With ep = 1 only the TP
+    exchange runs."""
 
-    def __init__(self, group: dist.ProcessGroup, ep: int):
-        self.group, self.ep = group, ep
+    def __init__(self, group: dist.ProcessGroup | None, ep: int, tp_group: dist.ProcessGroup | None = None):
+        self.group, self.ep, self.tp_group = group, ep, tp_group
 
     def __call__(self, experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ep = self.ep
         local = experts.num_experts // ep
-        # counts[e] rows for global expert e; chunk j of the counts belongs to EP rank j's experts
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=self.group)
-        send_splits = counts.view(ep, local).sum(1).tolist()
-        from_rank = received.view(ep, local)  # [source rank, local expert]
-        recv_splits = from_rank.sum(1).tolist()
-        rows = all_to_all_single_autograd(x, recv_splits, send_splits, self.group)
-        # arrival order is (source rank, local expert): regroup by local expert, stable in source order
-        expert_of_row = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(from_rank.flatten())
-        perm = torch.argsort(expert_of_row, stable=True)
-        out = experts.compute(rows[perm], from_rank.sum(0).tolist())
-        out = out[torch.argsort(perm)]  # back to arrival order
+        if ep == 1:
+            from_rank = counts.view(1, local)
+            rows = x
+        else:
+            # counts[e] rows for global expert e; chunk j of the counts belongs to EP rank j's experts
+            received = torch.empty_like(counts)
+            dist.all_to_all_single(received, counts, group=self.group)
+            send_splits = counts.view(ep, local).sum(1).tolist()
+            from_rank = received.view(ep, local)  # [source rank, local expert]
+            recv_splits = from_rank.sum(1).tolist()
+            rows = all_to_all_single_autograd(x, recv_splits, send_splits, self.group)
+        if self.tp_group is None:
+            out = _compute_arrived(experts, rows, from_rank)
+        else:
+            out = _compute_over_tp(experts, rows, from_rank, self.tp_group)
+        if ep == 1:
+            return out
         return all_to_all_single_autograd(out, send_splits, recv_splits, self.group)
+
+
+def _compute_arrived(experts: GroupedExperts, rows: torch.Tensor, from_rank: torch.Tensor) -> torch.Tensor:
+    """The local experts over rows in arrival order, (source, local expert) with from_rank[source, e] rows
+    each: regrouped by local expert (stable in source order), computed, put back in arrival order."""
+    sources, local = from_rank.shape
+    expert_of_row = torch.arange(local, device=rows.device).repeat(sources).repeat_interleave(from_rank.flatten())
+    perm = torch.argsort(expert_of_row, stable=True)
+    out = experts.compute(rows[perm], from_rank.sum(0).tolist())
+    return out[torch.argsort(perm)]
+
+
+def _compute_over_tp(experts: GroupedExperts, rows: torch.Tensor, from_rank: torch.Tensor,
+                     tp_group: dist.ProcessGroup) -> torch.Tensor:
+    """Expert TP over received rows: gather every TP rank's rows (padded to the largest count, as the
+    all-gather takes equal chunks), compute this rank's width shard of all of them, reduce-scatter the partial
+    sums back to their TP rank. Autograd: the all-gather's backward reduce-scatters the rows' gradients (the
+    width shards' partial input gradients summed), the reduce-scatter's all-gathers the output's."""
+    tp, me = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    every = torch.empty(tp * from_rank.numel(), dtype=from_rank.dtype, device=from_rank.device)
+    dist.all_gather_into_tensor(every, from_rank.contiguous().flatten(), group=tp_group)
+    every = every.view(tp, *from_rank.shape)
+    sizes = every.flatten(1).sum(1).tolist()
+    width = max(max(sizes), 1)
+    h = rows.shape[-1]
+    padded = torch.cat([rows, rows.new_zeros(width - rows.shape[0], h)])
+    gathered = _wait(_all_gather(padded, 0, tp_group))  # [tp · width, h]
+    keep = torch.cat([torch.arange(r * width, r * width + n, device=rows.device) for r, n in enumerate(sizes)])
+    out = _compute_arrived(experts, gathered[keep], every.view(-1, from_rank.shape[1]))
+    full = out.new_zeros(tp * width, h).index_copy(0, keep, out)
+    return _wait(_reduce_scatter(full, "sum", 0, tp_group))[:sizes[me]]
+
+
+# torch >= 2.13 names them *_single_autograd; earlier releases *_tensor_autograd
+_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+_reduce_scatter = getattr(funcol, "reduce_scatter_single_autograd", None) or funcol.reduce_scatter_tensor_autograd
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
 def _experts(module: nn.Module) -> list[GroupedExperts]:
@@ -111,12 +166,16 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
                 mesh, placements = DeviceMesh._concatenate([ep_mesh, p.device_mesh]), placements + list(p.placements)
                 p = torch.empty(p.shape, dtype=p.dtype, device=p.device)
             experts.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, placements)))
-        experts.dispatcher = AllToAllDispatch(ep_mesh.get_group(), ep)
+        tp_group = experts.dispatcher.tp_group if experts.dispatcher is not None else None
+        experts.dispatcher = AllToAllDispatch(ep_mesh.get_group(), ep, tp_group)
 
 
-def shard_experts_over_tp(moe: MoE, tp_mesh: DeviceMesh) -> None:
+def shard_experts_over_tp(moe: MoE, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
     """expert_tp = tp: split every expert's width over `tp_mesh` (w1/w3 [E, f, h] on f, column-parallel;
-    w2 [E, h, f] on f, row-parallel) and mark the MoE's outputs as partial sums over TP."""
+    w2 [E, h, f] on f, row-parallel). Under sequence parallelism the MoE routes this rank's sequence shard
+    and its dispatcher exchanges the received rows over TP (AllToAllDispatch), so its output is whole: the
+    router and the shared-expert gate see different tokens on each TP rank (replicated, gradients summed
+    over TP). Without it every TP rank routes the whole sequence and the MoE's outputs are partial sums."""
     experts, tp = moe.experts, tp_mesh.size()
     if experts.w1.shape[1] % tp:
         raise ValueError(f"plan.parallel.expert_tp: {tp} does not divide the experts' width {experts.w1.shape[1]}")
@@ -124,7 +183,14 @@ def shard_experts_over_tp(moe: MoE, tp_mesh: DeviceMesh) -> None:
         p = getattr(experts, name)
         if p is not None:
             experts.register_parameter(name, nn.Parameter(distribute_tensor(p, tp_mesh, [Shard(dim)])))
-    moe.expert_tp_group = tp_mesh.get_group()
+    if not sequence_parallel:
+        moe.expert_tp_group = tp_mesh.get_group()
+        return
+    for module in (moe.gate, moe.shared_gate):
+        for name, p in list(module.named_parameters(recurse=False)) if module is not None else ():
+            module.register_parameter(name, nn.Parameter(distribute_tensor(p, tp_mesh, [Replicate()])))
+    moe.tp_group = tp_mesh.get_group()
+    experts.dispatcher = AllToAllDispatch(None, 1, tp_mesh.get_group())
 
 
 def replicate_moe_over_tp(moe: MoE, tp_mesh: DeviceMesh, experts: bool = True) -> None:
@@ -169,17 +235,24 @@ def shard_experts(block: nn.Module, edp_mesh: DeviceMesh, cfg: ParallelConfig, w
 def moe_tp_plan(block: nn.Module, sequence_parallel: bool, expert_tp: bool = False) -> dict:
     """TP plan entries of a MoE block's feed-forward. expert_tp = 1: none (the MoE takes the block's local
     input: this rank's sequence shard under sequence parallelism, its parameters then replicated by
-    `replicate_moe_over_tp`; the whole sequence otherwise, replicated over the TP ranks). expert_tp = tp:
-    the input is gathered over the sequence (sequence parallelism), the output is a partial sum over TP,
-    all-reduced or reduce-scattered onto the sequence; shared experts column/row-parallel, their output
-    partial too."""
-    seq = Shard(1) if sequence_parallel else Replicate()
+    `replicate_moe_over_tp`; the whole sequence otherwise, replicated over the TP ranks). expert_tp = tp under
+    sequence parallelism: the MoE takes the sequence shard too (`shard_experts_over_tp`); shared experts
+    column/row-parallel over its rows, gathering them and reduce-scattering their output. expert_tp = tp
+    without it: the output is a partial sum over TP, all-reduced; shared experts' output partial too."""
     if not expert_tp:
         return {}
-    plan: dict = {"feed_forward": PrepareModuleInputOutput(
-        input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
-        output_layouts=(Partial(),), desired_output_layouts=(seq,), use_local_output=True)}
     shared = block.feed_forward.shared_experts
+    plan: dict = {}
+    if sequence_parallel:
+        if shared is not None:  # over the MoE's flattened rows [b·s/tp, h]: the shard is dim 0
+            plan.update({"feed_forward.shared_experts.w1": ColwiseParallel(input_layouts=Shard(0)),
+                         "feed_forward.shared_experts.w2": RowwiseParallel(output_layouts=Shard(0))})
+            if shared.w3 is not None:
+                plan["feed_forward.shared_experts.w3"] = ColwiseParallel(input_layouts=Shard(0))
+        return plan
+    plan["feed_forward"] = PrepareModuleInputOutput(
+        input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Partial(),), desired_output_layouts=(Replicate(),), use_local_output=True)
     if shared is not None:
         plan.update({"feed_forward.shared_experts.w1": ColwiseParallel(),
                      "feed_forward.shared_experts.w2": RowwiseParallel(output_layouts=Partial())})

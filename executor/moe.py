@@ -16,8 +16,8 @@ global batch into data-parallel shards and micro-batches gives the same gradient
 once: every plan trains the same model. Context parallelism splits each sequence over the CP ranks: the
 per-expert counts and score sums are all-reduced over the CP group (`cp_group`, an autograd-aware
 all-reduce whose backward sums the CP ranks' gradients, which the dp·cp gradient average then divides
-back), so every chunk's router gets the whole sequence's loss and gradient. Sequence parallelism with expert_tp = 1
-(executor/expert_parallel.py) splits each sequence over the TP ranks: the statistics are all-reduced over the
+back), so every chunk's router gets the whole sequence's loss and gradient. Sequence parallelism (executor/
+expert_parallel.py, either expert_tp) splits each sequence over the TP ranks: the statistics are all-reduced over the
 TP group too (`tp_group`), with an identity backward, since the TP ranks' gradients are summed, not averaged,
 so every shard's router gets the whole sequence's loss and its own tokens' share of the gradient. Otherwise
 every TP rank routes, and balances, the whole sequence. The loss is not added to the reported loss; its gradient is
@@ -178,8 +178,9 @@ class MoE(nn.Module):
         self.shared_gate = nn.Linear(spec.hidden_size, 1, bias=False) if moe.shared_expert_gate else None
         self.aux_loss_scale = 1.0
         self.cp_group: dist.ProcessGroup | None = None  # context parallelism: the aux loss's statistics summed
-        self.expert_tp_group: dist.ProcessGroup | None = None  # expert_tp = tp: experts return partial sums
-        # sequence parallelism with expert_tp = 1: this rank routes its sequence shard; the parameters are
+        # expert_tp = tp without sequence parallelism: experts return partial sums
+        self.expert_tp_group: dist.ProcessGroup | None = None
+        # sequence parallelism: this rank routes its sequence shard; the router's parameters are
         # Replicate() DTensors over TP with gradients summed over it, the aux loss's statistics summed over it
         self.tp_group: dist.ProcessGroup | None = None
 
@@ -207,7 +208,7 @@ class MoE(nn.Module):
         if self.cp_group is not None:  # this rank holds a chunk of each sequence: sum over the whole sequence
             stats = _sum_over(stats, self.cp_group)
             s *= dist.get_world_size(self.cp_group)
-        if self.tp_group is not None:  # and a TP shard of it (sequence parallelism, expert_tp = 1)
+        if self.tp_group is not None:  # and a TP shard of it (sequence parallelism)
             stats = _SumForward.apply(stats, self.tp_group)
             s *= dist.get_world_size(self.tp_group)
         probs, counts = stats[:, :e] / s, stats[:, e:]
@@ -221,7 +222,8 @@ class MoE(nn.Module):
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=self.cfg.num_experts)
         token = order // self.cfg.top_k
-        # under expert_tp = tp, `routed` and `out` are partial sums over TP (reduced at the block's output)
+        # under expert_tp = tp without sequence parallelism, `routed` and `out` are partial sums over TP (reduced
+        # at the block's output)
         routed = self.experts(self._whole_over_tp(flat)[token], counts)
         routed = routed * self._whole_over_tp(weights).reshape(-1)[order].unsqueeze(-1).to(routed.dtype)
         out = torch.zeros_like(flat).index_add(0, token, routed)

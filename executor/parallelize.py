@@ -117,7 +117,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, e
             layer_plan.update(moe_tp_plan(block, sequence_parallel, expert_tp))
         parallelize_module(block, tp_mesh, layer_plan)
         if moe and expert_tp:
-            shard_experts_over_tp(block.feed_forward, tp_mesh)
+            shard_experts_over_tp(block.feed_forward, tp_mesh, sequence_parallel)
         elif moe and sequence_parallel:
             replicate_moe_over_tp(block.feed_forward, tp_mesh, experts=not experts_span_tp)
     if model.head is not None:

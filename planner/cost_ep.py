@@ -14,8 +14,8 @@ runs the MoE replicated over TP: its tp ranks repeat the MoE's work, which this 
 Terms, per MoE block and micro-batch (a model's "block" is the mean over its dense and sparse blocks, so
 each term is weighted by the sparse fraction):
 - All-to-all: 4 per block (dispatch + combine, forward and backward; full recompute replays the forward
-  two), each moving imbalance · (T/tp) · top_k · h values per rank (T · top_k · h where the executor runs
-  expert TP, below), (ep − 1)/ep of it off the rank: an
+  two), each moving imbalance · (T/tp) · top_k · h values per rank (T · top_k · h for an engine that gathers
+  the sequence before routing under expert TP, below), (ep − 1)/ep of it off the rank: an
   all-to-all over n ranks runs with the all-gather's bus factor (n − 1)/n (nccl-tests PERFORMANCE.md), as
   planner/cost_cp.all_to_all_time times it, on the link class of the EP group as placed (intra-node when
   the ep ranks share an NVLink domain; across domains each rank's chunks for its own domain take NVLink
@@ -25,10 +25,10 @@ each term is weighted by the sparse fraction):
   cost_collectives.tp_comm_time; `moe_tp_comm_time` is what a MoE block's differ by): with expert_tp = 1 under
   sequence parallelism the MoE takes the rank's sequence shard and runs no TP collective (Megatron-Core's
   shared experts still gather and reduce-scatter the sequence). With expert_tp = tp it depends on the
-  software (profiler/roofline.MOE_DISPATCH): the executor gathers the sequence and dispatches all T tokens'
-  rows from every TP rank (T·top_k per all-to-all, not T/tp), its TP collectives the dense MLP's;
-  Megatron-Core dispatches the rank's shard, then all-gathers the received rows over TP and reduce-scatters
-  the experts' output, imbalance · T·top_k·h values each way instead of T·h.
+  software (profiler/roofline.MOE_DISPATCH): Megatron-Core and the executor dispatch the rank's shard, then
+  all-gather the received rows over TP and reduce-scatter the experts' output, imbalance · T·top_k·h values
+  each way instead of T·h; an engine that gathers the sequence first dispatches all T tokens' rows from
+  every TP rank (T·top_k per all-to-all, not T/tp), its TP collectives the dense MLP's.
 - Load imbalance: the busiest EP rank receives `imbalance` times the mean rows; its all-to-alls and its
   grouped GEMMs set the pace. Default DEFAULT_IMBALANCE = 1.25, the capacity factor that Switch Transformer
   (Fedus et al. 2022, §2.2 and Table 1: 1.0-1.25 as the useful range) and GShard (Lepikhin et al. 2020,
@@ -43,11 +43,11 @@ each term is weighted by the sparse fraction):
   of the block over dp·cp; their gradient reduction runs over those edp ranks, on their links as placed
   (`edp_link`: every ep-th rank, so ep 8 inside 8-GPU nodes leaves one per node). Token buffers at the
   block's peak: the received rows and the combine's output, 2 · imbalance · (T/tp)·top_k·h values (T·top_k·h
-  under expert TP, gathered over TP or dispatched whole). Activations: the closed forms divide a MoE block's
-  by tp (profiler/moe_cost.block_ffn_activation_values); under expert TP the rows an expert multiplies are
-  whole on every TP rank, so the experts' input rows (imbalance · T·top_k·h) stay whole as Megatron-Core's
-  grouped Linear saves them, and in the executor also the experts' partial-sum output, which the routing
-  weights' gradient reads (executor/moe.MoE.forward): (1 − 1/tp) of them more (`whole_rows_bytes`).
+  under expert TP, gathered over TP). Activations: the closed forms divide a MoE block's by tp
+  (profiler/moe_cost.block_ffn_activation_values); under expert TP the rows an expert multiplies are whole
+  on every TP rank, so the experts' input rows (imbalance · T·top_k·h) stay whole as the expert GEMMs save
+  them, and where the sequence is gathered before routing also the experts' partial-sum output, which the
+  routing weights' gradient reads: (1 − 1/tp) of them more (`whole_rows_bytes`).
 """
 
 from __future__ import annotations
@@ -148,14 +148,15 @@ def local_tokens(b: int, s: int, cp: int) -> float:
 
 
 def sharded_dispatch(profile) -> bool:
-    """Megatron-Core's dispatcher (roofline.MOE_DISPATCH "sharded"); measured profiles are the executor's."""
+    """Each TP rank dispatches its sequence shard under expert TP (roofline.MOE_DISPATCH "sharded": Megatron-Core
+    and the executor, whose measured profiles these are too)."""
     r = getattr(profile, "roofline", None)
-    return r is not None and r.moe_dispatch == "sharded"
+    return r is None or r.moe_dispatch == "sharded"
 
 
 def dispatch_shard(profile, tp: int, expert_tp: int) -> int:
-    """What a rank's tokens are divided by to get those it dispatches: tp (its sequence shard), or 1 where
-    the executor gathers the sequence before routing under expert TP (module docstring)."""
+    """What a rank's tokens are divided by to get those it dispatches: tp (its sequence shard), or 1 for an
+    engine that gathers the sequence before routing under expert TP (roofline.MOE_DISPATCH "gathered")."""
     return 1 if expert_tp == tp > 1 and not sharded_dispatch(profile) else tp
 
 
@@ -386,7 +387,7 @@ def add_ep_buffers(ws: Workspace, model: ModelSpec, cand: Candidate, s: int, dty
     """The step's transients with a MoE block's token buffers at every rank's activation peak."""
     if model.moe is None:
         return ws
-    # under expert TP a rank holds all T·top_k rows: gathered over TP (Megatron-Core) or dispatched (executor)
+    # under expert TP a rank holds all T·top_k rows: gathered over TP after the dispatch, or dispatched whole
     shard = 1 if cand.expert_tp == cand.tp > 1 else cand.tp
     extra = token_buffer_bytes(model, local_tokens(cand.b, s, cand.cp), shard, cand.ep, dtype, imbalance)
     return Workspace([x + extra for x in ws.act], ws.emb, ws.opt, ws.per_layer)

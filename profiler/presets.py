@@ -24,7 +24,7 @@ def device_roofline(cluster: ClusterSpec, dtype: str, attention: str = "flash", 
                     grad_reduce: str = "reduce_scatter", grad_accum_bytes: float = 0.0,
                     selective: str = "attention", fsdp_copies: bool = True, loss: str = "fp32",
                     p2p: str = "overlapped", sharded_accumulation: bool = False, norm: str = "fused",
-                    software: str = "meshplan", fp8: str = "none", moe_dispatch: str = "gathered",
+                    software: str = "meshplan", fp8: str = "none", moe_dispatch: str = "sharded",
                     fp8_params: bool = False) -> Roofline | None:
     """The per-operation model of a GPU preset (None for a CPU or a device without SM count); the
     software settings default to the executor's (profiler/roofline.py). attention "flash1": software that

@@ -85,13 +85,14 @@ NORM = ("fused", "eager-fp32")
 # micro-batches (TE's is_first_microbatch), so their cast is not charged per micro-batch.
 FP8 = FP8_RECIPES
 # How a mixture-of-experts layer meets expert tensor parallelism (expert_tp = tp > 1; planner/cost_ep.py).
-# "gathered": the executor (executor/expert_parallel.py) gathers the sequence as the dense MLP does, every TP
-# rank routes and dispatches all of its tokens' rows, and the block's output is reduce-scattered as the dense
-# MLP's. "sharded": Megatron-Core's alltoall token dispatcher (megatron/core/transformer/moe/
-# token_dispatcher.py, MoEAlltoAllTokenDispatcher.dispatch_postprocess / combine_preprocess) dispatches each
-# TP rank's sequence shard over EP, then all-gathers the received rows over the expert-TP group and
-# reduce-scatters the experts' output before the combine; its shared experts gather and reduce-scatter the
-# sequence over TP on their own (shared_experts.py).
+# "sharded": Megatron-Core's alltoall token dispatcher (megatron/core/transformer/moe/token_dispatcher.py,
+# MoEAlltoAllTokenDispatcher.dispatch_postprocess / combine_preprocess), and the executor's
+# (executor/expert_parallel.py AllToAllDispatch), dispatch each TP rank's sequence shard over EP, then
+# all-gather the received rows over the expert-TP group and reduce-scatter the experts' output before the
+# combine; shared experts gather and reduce-scatter the sequence over TP on their own (Megatron-Core's
+# shared_experts.py). "gathered": an engine that gathers the sequence as the dense MLP does before routing,
+# so that every TP rank dispatches all of its tokens' rows and the block's output is reduce-scattered as the
+# dense MLP's.
 MOE_DISPATCH = ("gathered", "sharded")
 
 
@@ -169,7 +170,7 @@ class Roofline:
     norm: str = "fused"  # NORM
     software: str = "meshplan"  # the name these settings were made from (profiler/software.py), for reports
     fp8: str = "none"  # FP8
-    moe_dispatch: str = "gathered"  # MOE_DISPATCH
+    moe_dispatch: str = "sharded"  # MOE_DISPATCH
     # Under an FP8 recipe, the blocks' Linear weights kept in FP8 with no 16-bit copy (Megatron-Core's
     # --fp8-param-gather; planner/cost_memory.py), not cast from 16-bit parameters each step (the executor).
     fp8_params: bool = False
@@ -206,7 +207,7 @@ class Roofline:
                    f.str("p2p", choices=P2P, default="overlapped"),
                    f.bool("sharded_accumulation", default=False), f.str("norm", choices=NORM, default="fused"),
                    f.str("software", default="meshplan"), fp8=f.str("fp8", choices=FP8, default="none"),
-                   moe_dispatch=f.str("moe_dispatch", choices=MOE_DISPATCH, default="gathered"),
+                   moe_dispatch=f.str("moe_dispatch", choices=MOE_DISPATCH, default="sharded"),
                    fp8_params=f.bool("fp8_params", default=False),
                    fp8_peak_flops=f.float("fp8_peak_flops", min=0.0, default=0.0),
                    fp8_gemm_fraction=f.float("fp8_gemm_fraction", min=0.0, default=0.0),

@@ -40,8 +40,8 @@ or papers, not fitted values:
   gradient whole, in blocking calls (runtime/pipe/p2p.py); Megatron-LM pairs a send with a receive and
   scatters the stage output over tensor parallelism (SC'21 §4.1), torch's pipelining sends asynchronously.
 - mixture-of-experts under expert tensor parallelism (roofline.MOE_DISPATCH): Megatron-Core's alltoall
-  dispatcher sends each TP rank's sequence shard and gathers the received rows over the expert-TP group;
-  the executor gathers the sequence first and dispatches all of it from every TP rank.
+  dispatcher, and the executor's, send each TP rank's sequence shard and gather the received rows over the
+  expert-TP group.
 - FP8 parameters (roofline fp8_params): NVIDIA's FP8 runs of Megatron-Core keep the blocks' weights in FP8
   and gather them so (Megatron-Bridge's FP8 mixed-precision configs set fp8_param_gather = True,
   src/megatron/bridge/training/mixed_precision.py; NeMo's DGX Cloud recipes +model.fp8_params); `plan
@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from meshplan.planner.errors import InputError
 
-_MEGATRON_CORE = dict(activations="sharded", fsdp_copies=False, loss="megatron", moe_dispatch="sharded",
+_MEGATRON_CORE = dict(activations="sharded", fsdp_copies=False, loss="megatron",
                       fp8_params=True)
 _MEGATRON_2022 = dict(attention="unfused", activations="sharded", grad_overlap=False, fsdp_copies=False,
                       loss="megatron")

@@ -279,7 +279,8 @@ def test_moe_tp_collectives_by_dispatcher():
     """A MoE block's TP collectives against the dense MLP's all-gather + reduce-scatter of T·h (one all-reduce's
     bytes) that every block is charged, per direction. Megatron-Core (moe_dispatch "sharded") under expert TP
     gathers the received rows over TP, top_k · imbalance · T·h, and its shared experts the sequence again; with
-    expert_tp 1 the MoE runs no TP collective. The executor ("gathered") keeps the dense MLP's under expert TP."""
+    expert_tp 1 the MoE runs no TP collective; the executor dispatches as Megatron-Core does. An engine that
+    gathers the sequence before routing ("gathered") keeps the dense MLP's under expert TP."""
     from dataclasses import replace as dc_replace
 
     from meshplan.planner.model_spec import MoESpec
@@ -287,7 +288,8 @@ def test_moe_tp_collectives_by_dispatcher():
     cluster, T, h = parse_cluster("8xh100-80gb"), 4096.0, 4096
     dense = T * h * 2
     mcore = preset_profile(MIXTRAL, cluster, "bf16", moe_dispatch="sharded")
-    ours = preset_profile(MIXTRAL, cluster, "bf16")
+    ours = preset_profile(MIXTRAL, cluster, "bf16", moe_dispatch="gathered")
+    assert preset_profile(MIXTRAL, cluster, "bf16").roofline.moe_dispatch == "sharded"  # the executor's
 
     def ar(profile, nbytes):
         return profile.collective_time("all_reduce", nbytes, 4, "intra_node")
@@ -307,12 +309,12 @@ def test_moe_tp_collectives_by_dispatcher():
 
 
 def test_expert_tp_dispatch_volume_and_block_charges():
-    """Under expert TP (tp 2) the executor dispatches all T tokens' rows from every TP rank, Megatron-Core its
-    sequence shard's; the block's communication value carries the all-to-alls and the MoE's TP difference both
-    ways, and full recompute replays their forward halves."""
+    """Under expert TP (tp 2) an engine that gathers the sequence first dispatches all T tokens' rows from every
+    TP rank, Megatron-Core and the executor their sequence shard's; the block's communication value carries the
+    all-to-alls and the MoE's TP difference both ways, and full recompute replays their forward halves."""
     cluster = parse_cluster("8xh100-80gb")
     base = dict(dp=4, tp=2, pp=1, v=1, schedule="1f1b", b=1, m=2, zero=1, recompute="none", ep=4, expert_tp=2)
-    for software, shard in (({}, 1), ({"moe_dispatch": "sharded"}, 2)):
+    for software, shard in (({"moe_dispatch": "gathered"}, 1), ({}, 2)):
         profile = preset_profile(MIXTRAL, cluster, "bf16", **software)
         dense = Terms(MIXTRAL, profile, 4096, "bf16")
         terms = ep_terms(dense, Candidate(**base), "intra_node", 1.25)
@@ -323,7 +325,7 @@ def test_expert_tp_dispatch_volume_and_block_charges():
         rec, _, rec_tp = terms.recompute(1, 2, "full")
         _, _, dense_rec_tp = dense.recompute(1, 2, "full")
         assert rec_tp == pytest.approx(dense_rec_tp + d)
-        assert (d > 0) == (shard == 2)  # Megatron-Core gathers top_k x the rows
+        assert (d > 0) == (shard == 2)  # the sharded dispatch gathers top_k x the rows
 
 
 def test_moe_memory_bound_bytes_by_hand():
@@ -374,12 +376,13 @@ def test_ep_regroups_received_rows_by_local_expert():
 def test_expert_tp_keeps_whole_rows():
     """Under expert TP (tp 2, ep 4, imbalance 1.25) the rows an expert multiplies are whole on every TP rank:
     beyond the closed forms' ÷tp the block keeps (1 − 1/2) of imbalance · T·top_k·h more values per saved
-    copy: the experts' input rows (Megatron-Core), and in the executor their partial-sum output as well.
+    copy: the experts' input rows (Megatron-Core, the executor), and where the sequence is gathered before
+    routing their partial-sum output as well.
     Full recompute drops them with the block; selective keeps them. Folded EP (expert_tp 1): nothing."""
     cluster = parse_cluster("8xh100-80gb")
     base = dict(dp=4, tp=2, pp=1, v=1, schedule="1f1b", b=1, m=2, zero=1, recompute="none", ep=4, expert_tp=2)
     T, k, h = 4096, 2, 4096
-    for software, copies in (({}, 2), ({"moe_dispatch": "sharded"}, 1)):
+    for software, copies in (({"moe_dispatch": "gathered"}, 2), ({}, 1)):
         profile = preset_profile(MIXTRAL, cluster, "bf16", **software)
         dense = Terms(MIXTRAL, profile, 4096, "bf16")
         terms = ep_terms(dense, Candidate(**base), "intra_node", 1.25)

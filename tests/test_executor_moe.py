@@ -51,6 +51,15 @@ PLANS = {  # the issue's four shapes, then ZeRO-3 with full recompute, sequence,
     "ep2-tp2-etp2-sp-zero1": dict(dp=2, tp=2, ep=2, expert_tp=2, sequence_parallel=True, zero=1,
                                   micro_batch_size=2, num_micro_batches=2, aux_loss_coef=1.0),
     "tp2-etp2xdp2-shared": dict(dp=2, tp=2, expert_tp=2, shared=True, micro_batch_size=2, num_micro_batches=2),
+    # under sequence parallelism each TP rank dispatches its own shard's rows and gathers the received rows over TP
+    # (Megatron-Core's dispatcher): with EP, without it (the TP exchange alone), with shared experts and the
+    # load-balancing loss's statistics summed over TP, with ZeRO-3 and full recompute
+    "ep2-tp2-etp2-sp-shared-aux1": dict(dp=2, tp=2, ep=2, expert_tp=2, sequence_parallel=True, shared=True, zero=1,
+                                        micro_batch_size=2, num_micro_batches=2, aux_loss_coef=1.0),
+    "tp2-etp2xdp2-sp-shared": dict(dp=2, tp=2, expert_tp=2, sequence_parallel=True, shared=True,
+                                   micro_batch_size=2, num_micro_batches=2),
+    "ep2-tp2-etp2-sp-zero3-full-recompute": dict(dp=2, tp=2, ep=2, expert_tp=2, sequence_parallel=True, zero=3,
+                                                 recompute="full", micro_batch_size=2, num_micro_batches=2),
     # zero-bubble (ZB-V): backward split into input and weight passes, the all-to-alls in the input pass
     "ep2-pp2-zbv": dict(dp=2, pp=2, ep=2, virtual_stages=2, schedule="zero-bubble", zero=1, micro_batch_size=1,
                         num_micro_batches=4),
