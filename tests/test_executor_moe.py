@@ -60,6 +60,7 @@ PLANS = {  # the issue's four shapes, then ZeRO-3 with full recompute, sequence,
                                    micro_batch_size=2, num_micro_batches=2),
     "ep2-tp2-etp2-sp-zero3-full-recompute": dict(dp=2, tp=2, ep=2, expert_tp=2, sequence_parallel=True, zero=3,
                                                  recompute="full", micro_batch_size=2, num_micro_batches=2),
+    "tp2-etp2-pp2-sp": dict(pp=2, tp=2, expert_tp=2, sequence_parallel=True, micro_batch_size=1, num_micro_batches=4),
     # zero-bubble (ZB-V): backward split into input and weight passes, the all-to-alls in the input pass
     "ep2-pp2-zbv": dict(dp=2, pp=2, ep=2, virtual_stages=2, schedule="zero-bubble", zero=1, micro_batch_size=1,
                         num_micro_batches=4),
