@@ -74,7 +74,9 @@ SOFTWARE: dict[str, str | dict] = {
     # NVIDIA's DGX Cloud benchmarking recipes run NeMo 24.09/24.11 (Megatron-Core); their rows are BF16
     "dgxc_benchmarking": "megatron",
     "dgxc_benchmarking_fp8": "megatron",  # the same recipes' FP8 tables (Transformer Engine, delayed scaling)
-    "dgxc_benchmarking_gb200": "megatron",  # NeMo 25.04.01 on GB200 NVL72
+    # NeMo 25.04.01 on GB200 NVL72: its performance scripts fuse the cross-entropy with Transformer Engine's
+    # kernel (NeMo v2.3.1 scripts/performance/utils.py set_primary_perf_configs)
+    "dgxc_benchmarking_gb200": software_settings("megatron") | dict(loss="fused"),
     "dgxc_benchmarking_moe": "megatron",  # Grok-1 (MoE): all-to-all token dispatcher, experts padded to capacity
     "llm_foundry_mpt": dict(attention="flash1", loss="fused", **_NO_COPIES),
     "torchtitan": "torchtitan",

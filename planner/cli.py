@@ -103,7 +103,8 @@ def main_parser() -> argparse.ArgumentParser:
                    help="the training software GPU presets charge and the search keeps to (default: a preset "
                         "--profile's, else meshplan's executor): torchtitan, "
                         "megatron (Megatron-Core), megatron-bridge (NVIDIA's Megatron-Bridge/NeMo performance "
-                        "recipes: bf16 gradients), megatron-2022 and megatron-2021 (Megatron-LM of those papers), "
+                        "recipes: bf16 gradients, fused cross-entropy), megatron-2022 and megatron-2021 "
+                        "(Megatron-LM of those papers), "
                         "megatron-deepspeed-2022; a measured profile times what it ran")
     c = p.add_argument_group("constraints (each pins one dimension; the planner chooses the rest)")
     c.add_argument("--micro-batch-size", type=positive_int, metavar="B")

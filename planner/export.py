@@ -87,6 +87,8 @@ def to_megatron(plan: Plan, warnings: list[str] | None = None) -> str:
         args.append((f"--{p.dtype}", None))
     if p.dtype == "bf16" and plan.search.software == "megatron-bridge":  # costed with bf16 gradients
         args.append(("--grad-reduce-in-bf16", None))
+    if plan.search.software == "megatron-bridge":  # costed with a fused cross-entropy (Megatron-LM's own kernel)
+        args.append(("--cross-entropy-loss-fusion", None))
     if p.fp8 != "none":  # Transformer Engine: E4M3 forward, E5M2 gradients; current scaling is "tensorwise"
         args += [("--fp8-format", "hybrid"), ("--fp8-recipe", "delayed" if p.fp8 == "delayed" else "tensorwise")]
         if p.zero >= 1:  # FP8 parameters, as `--software megatron` costs them (profiler/software.py)

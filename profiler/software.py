@@ -35,7 +35,10 @@ or papers, not fitted values:
 - the loss (roofline.LOSS): Megatron-LM, its Megatron-Core and Megatron-DeepSpeed upcast the logits and run
   their vocab-parallel cross-entropy in fp32, pass by pass (megatron/core/tensor_parallel/cross_entropy.py;
   Megatron-Core's fused one is opt-in, --cross-entropy-loss-fusion); torchtitan and the executor run
-  F.cross_entropy on the upcast logits.
+  F.cross_entropy on the upcast logits. Megatron-Bridge's pretraining models fuse it
+  (src/megatron/bridge/models/gpt_provider.py at 5776a6d90, 25.11: cross_entropy_loss_fusion = True) with
+  Transformer Engine's kernel (scripts/performance/utils/overrides.py: cross_entropy_fusion_impl = "te"), as
+  NeMo 2.3's performance scripts do (scripts/performance/utils.py set_primary_perf_configs at v2.3.1): "fused".
 - pipeline transfers (roofline.P2P): DeepSpeed's pipeline engine sends each stage output and input
   gradient whole, in blocking calls (runtime/pipe/p2p.py); Megatron-LM pairs a send with a receive and
   scatters the stage output over tensor parallelism (SC'21 §4.1), torch's pipelining sends asynchronously.
@@ -69,7 +72,8 @@ SOFTWARE: dict[str, dict] = {
     # Megatron-Core (2023-): fused attention, shards kept, reduction overlapped, accumulation fused
     "megatron": _MEGATRON_CORE,
     # Megatron-Bridge's (NeMo 2's) performance recipes: Megatron-Core with gradients held and reduced in bf16
-    "megatron-bridge": dict(_MEGATRON_CORE, grad_bytes=2),
+    # and Transformer Engine's fused cross-entropy
+    "megatron-bridge": dict(_MEGATRON_CORE, grad_bytes=2, loss="fused"),
     # Megatron-LM as Korthikanti et al. 2022 ran it: unfused attention, reduction after the backward
     "megatron-2022": _MEGATRON_2022,
     # Megatron-LM as Narayanan et al. SC'21 ran it: no sequence parallelism, an accumulation pass of its own
