@@ -25,13 +25,19 @@ def tp_comm_time(profile, kind: str, b: int, s: int, h: int, tp: int, dtype: str
     r = getattr(profile, "roofline", None)
     again = 2 if mode == "full" else 1 if mode == "selective" and r is not None and r.selective != "attention" else 0
     count = {"block": 4 + again, "embedding": 1, "head": 1}[kind]
-    nbytes = b * s * h * DTYPE_BYTES[dtype]
-    if r is not None and r.sequence_parallel:  # as the pairs they are: NVLS speeds none of them (LinkFit)
+    return count * tp_exchange_time(profile, b * s * h * DTYPE_BYTES[dtype], tp)
+
+
+def tp_exchange_time(profile, nbytes: float, tp: int) -> float:
+    """One tensor-parallel exchange of `nbytes`: an all-reduce, or with sequence parallelism (the preset's
+    software) the all-gather + reduce-scatter pair it is, which NVLS speeds neither of (profile.LinkFit)."""
+    r = getattr(profile, "roofline", None)
+    if r is not None and r.sequence_parallel:
         one = (profile.collective_time("all_gather", nbytes, tp, "intra_node")
                + profile.collective_time("reduce_scatter", nbytes, tp, "intra_node"))
     else:
         one = profile.collective_time("all_reduce", nbytes, tp, "intra_node")
-    return count * one * profile.correction("tp_comm")
+    return one * profile.correction("tp_comm")
 
 
 def dp_ops(zero: int, grad_reduce: str = "reduce_scatter") -> tuple[tuple[str, ...], tuple[str, ...]]:

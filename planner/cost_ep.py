@@ -61,6 +61,7 @@ from meshplan.planner.cost_collectives import (
     engine_copy_time,
     optimizer_time,
     sharded_dp_time,
+    tp_exchange_time,
 )
 from meshplan.planner.cost_compute import compute_time
 from meshplan.planner.cost_cp import CPTerms, all_to_all_time
@@ -164,24 +165,20 @@ def moe_tp_comm_time(profile, model: ModelSpec, tokens: float, tp: int, ep: int,
                      imbalance: float) -> float:
     """Seconds per direction (forward; backward moves the same) by which a MoE block's TP collectives
     differ from the dense MLP's all-gather + reduce-scatter of T·h that tp_comm_time charges every block
-    (module docstring; an all-gather and a reduce-scatter of X bytes move what an all-reduce of X does).
-    `tokens` = T, the micro-batch's b·s/cp."""
+    (module docstring; each an exchange as `tp_exchange_time` charges it). `tokens` = T, the micro-batch's
+    b·s/cp."""
     if tp <= 1 or model.moe is None or profile.tp_collectives_measured("block", tp):
         return 0.0
-
-    def all_reduce(nbytes: float) -> float:
-        return profile.collective_time("all_reduce", nbytes, tp, "intra_node") * profile.correction("tp_comm")
-
     dense = tokens * model.hidden_size * DTYPE_BYTES[dtype]
     sharded = sharded_dispatch(profile)
-    shared = all_reduce(dense) if sharded and model.moe.num_shared_experts else 0.0
+    shared = tp_exchange_time(profile, dense, tp) if sharded and model.moe.num_shared_experts else 0.0
     if expert_tp != tp:  # expert_tp 1: the MoE takes the sequence shard
         routed = 0.0
     elif sharded:  # the received rows gathered over TP, the experts' output reduce-scattered
-        routed = all_reduce(model.moe.top_k * (imbalance if ep > 1 else 1.0) * dense)
+        routed = tp_exchange_time(profile, model.moe.top_k * (imbalance if ep > 1 else 1.0) * dense, tp)
     else:
-        routed = all_reduce(dense)
-    return routed + shared - all_reduce(dense)
+        routed = tp_exchange_time(profile, dense, tp)
+    return routed + shared - tp_exchange_time(profile, dense, tp)
 
 
 def dispatch_bytes(model: ModelSpec, tokens: float, tp: int, dtype: str, imbalance: float) -> float:

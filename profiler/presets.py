@@ -76,10 +76,9 @@ def preset_profile(model: ModelSpec, cluster: ClusterSpec, dtype: str = "bf16", 
     # gets its share of the leaf's uplinks (planner/topology.py)
     inter_leaf = cluster.inter_node.bus_Bps / cluster.topology.oversubscription
     intra = cluster.intra_node
-    nvls = dict(nvls_min_ranks=intra.nvls_min_ranks, ring_busbw=intra.bus_Bps) if intra.nvls_min_ranks else {}
     links = {
         name: {op: LinkFit(alpha_s=latency, beta_s_per_byte=1.0 / bandwidth, busbw_curve=[list(p) for p in curve],
-                           **(nvls if curve else {}))
+                           nvls_min_ranks=intra.nvls_min_ranks if curve else 0)
                for op in LINK_OPS}
         for name, latency, bandwidth, curve in (
             ("intra_node", intra.latency_s, intra.bus_Bps, intra.busbw_curve),

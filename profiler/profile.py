@@ -141,16 +141,16 @@ class LinkFit:
     # given, collectives follow it instead of alpha and beta (planner/cluster_spec.py cites the sweeps)
     busbw_curve: list[list[float]] = field(default_factory=list)
     # where the curve is NVLS's (planner/cluster_spec.LinkSpec.nvls_min_ranks): an all-reduce over this many
-    # ranks or more follows it; other collectives and smaller groups run the ring, at most ring_busbw B/s
+    # ranks or more follows it; other collectives and smaller groups run the ring, at most the fit's own
+    # bandwidth (1 / beta_s_per_byte, the link's ring busbw)
     nvls_min_ranks: int = 0
-    ring_busbw: float = 0.0
 
     def collective_time(self, op: str, nbytes: float, steps: float, factor: float, ranks: int = 0) -> float:
         if self.busbw_curve and op != "send_recv":
             busbw = busbw_at(self.busbw_curve, nbytes)
             nvls = op == "all_reduce" and ranks >= self.nvls_min_ranks
-            if self.nvls_min_ranks and self.ring_busbw > 0 and not nvls:
-                busbw = min(busbw, self.ring_busbw)
+            if self.nvls_min_ranks and self.beta_s_per_byte > 0 and not nvls:
+                busbw = min(busbw, 1.0 / self.beta_s_per_byte)
             return factor * max(nbytes, 1.0) / busbw
         return self.alpha_s * steps + self.beta_s_per_byte * factor * nbytes
 
@@ -164,7 +164,7 @@ class LinkFit:
         return cls(f.float("alpha_s", min=0.0), f.float("beta_s_per_byte", min=0.0),
                    f.int("measured_group_size", min=0, default=0), f.float("spread", min=0.0, default=0.0),
                    f.float("fit_error", min=0.0, default=0.0), [[float(a), float(b)] for a, b in curve],
-                   f.int("nvls_min_ranks", min=0, default=0), f.float("ring_busbw", min=0.0, default=0.0))
+                   f.int("nvls_min_ranks", min=0, default=0))
 
 
 def busbw_at(curve: list[list[float]], nbytes: float) -> float:

@@ -274,6 +274,13 @@ def test_nvls_speeds_only_wide_all_reduces():
     from meshplan.profiler.profile import Profile
 
     assert LinkSpec.from_dict({"bandwidth_Bps": 1e9, "latency_s": 0, "nvls_min_ranks": 5}, "x").nvls_min_ranks == 5
+    from meshplan.planner.errors import InputError
+    from meshplan.profiler.profile import LinkFit
+
+    with pytest.raises(InputError, match=r"^x\.nvls_min_ranks: expected"):
+        LinkSpec.from_dict({"bandwidth_Bps": 1e9, "latency_s": 0, "nvls_min_ranks": -1}, "x")
+    with pytest.raises(InputError, match=r"^f\.nvls_min_ranks: expected"):
+        LinkFit.from_dict({"alpha_s": 0, "beta_s_per_byte": 1e-9, "nvls_min_ranks": "five"}, "f")
     again = Profile.from_dict(json.loads(json.dumps(profile.to_dict())))
     assert again.collective_time("all_gather", big, 8, "intra_node") == pytest.approx(7 / 8 * big / 367.2e9)
 
