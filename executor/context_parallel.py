@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
+from meshplan.executor.collectives import ALL_GATHER, ALL_GATHER_AUTOGRAD, wait
 from meshplan.planner.errors import InputError
 from meshplan.planner.plan import Plan
 from torch.distributed.device_mesh import DeviceMesh
@@ -96,8 +97,7 @@ def _seq_to_heads(x: torch.Tensor, cp: int, group) -> torch.Tensor:
     of every rank's chunk, concatenated in rank order = sequence order)."""
     b, heads, sl, d = x.shape
     send = x.reshape(b, cp, heads // cp, sl, d).transpose(0, 1).contiguous()  # [cp(dest), b, h/cp, sl, d]
-    recv = funcol.all_to_all_single_autograd(send, None, None, group)
-    recv = funcol.wait_tensor(recv) if isinstance(recv, funcol.AsyncCollectiveTensor) else recv
+    recv = wait(funcol.all_to_all_single_autograd(send, None, None, group))
     return recv.view(cp, b, heads // cp, sl, d).permute(1, 2, 0, 3, 4).reshape(b, heads // cp, cp * sl, d)
 
 
@@ -106,8 +106,7 @@ def _heads_to_seq(x: torch.Tensor, cp: int, group) -> torch.Tensor:
     b, hl, s, d = x.shape
     sl = s // cp
     send = x.reshape(b, hl, cp, sl, d).permute(2, 0, 1, 3, 4).contiguous()  # [cp(dest chunk), b, h/cp, sl, d]
-    recv = funcol.all_to_all_single_autograd(send, None, None, group)
-    recv = funcol.wait_tensor(recv) if isinstance(recv, funcol.AsyncCollectiveTensor) else recv
+    recv = wait(funcol.all_to_all_single_autograd(send, None, None, group))
     return recv.view(cp, b, hl, sl, d).transpose(0, 1).reshape(b, cp * hl, sl, d)
 
 
@@ -127,11 +126,6 @@ class UlyssesAttention:
                                  "(all-to-all context parallelism scatters heads)")
         q, k, v = (_seq_to_heads(t, self.cp, self.group) for t in (q, k, v))
         return _heads_to_seq(core(q, k, v), self.cp, self.group)
-
-
-# torch renamed the functional all-gathers (…_tensor → …_single, the old names deprecated); torch >= 2.8
-_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-_GATHER_AUTOGRAD = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 
 class _Gathered:
@@ -189,9 +183,8 @@ class AllGatherAttention:
 
     def _full(self, x: torch.Tensor, autograd: bool = True) -> torch.Tensor:
         """K or V of the whole sequence, in sequence order, from this rank's chunks."""
-        gather = _GATHER_AUTOGRAD if autograd else _GATHER
-        out = gather(x.contiguous(), 2, self.group)
-        out = funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+        gather = ALL_GATHER_AUTOGRAD if autograd else ALL_GATHER
+        out = wait(gather(x.contiguous(), 2, self.group))
         if self.order.device != out.device:
             self.order = self.order.to(out.device)
         return out.index_select(2, self.order)

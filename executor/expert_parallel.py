@@ -50,8 +50,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
+from meshplan.executor.collectives import ALL_GATHER_AUTOGRAD, REDUCE_SCATTER_AUTOGRAD, wait
 from meshplan.executor.moe import GroupedExperts, MoE, moe_modules
 from meshplan.planner.plan import ParallelConfig
 from torch.distributed._functional_collectives import all_to_all_single_autograd
@@ -132,20 +132,11 @@ def _compute_over_tp(experts: GroupedExperts, rows: torch.Tensor, from_rank: tor
     width = max(max(sizes), 1)
     h = rows.shape[-1]
     padded = torch.cat([rows, rows.new_zeros(width - rows.shape[0], h)])
-    gathered = _wait(_all_gather(padded, 0, tp_group))  # [tp · width, h]
+    gathered = wait(ALL_GATHER_AUTOGRAD(padded, 0, tp_group))  # [tp · width, h]
     keep = torch.cat([torch.arange(r * width, r * width + n, device=rows.device) for r, n in enumerate(sizes)])
     out = _compute_arrived(experts, gathered[keep], every.view(-1, from_rank.shape[1]))
     full = out.new_zeros(tp * width, h).index_copy(0, keep, out)
-    return _wait(_reduce_scatter(full, "sum", 0, tp_group))[:sizes[me]]
-
-
-# torch >= 2.13 names them *_single_autograd; earlier releases *_tensor_autograd
-_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
-_reduce_scatter = getattr(funcol, "reduce_scatter_single_autograd", None) or funcol.reduce_scatter_tensor_autograd
-
-
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    return funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t
+    return wait(REDUCE_SCATTER_AUTOGRAD(full, "sum", 0, tp_group))[:sizes[me]]
 
 
 def _experts(module: nn.Module) -> list[GroupedExperts]:
@@ -187,10 +178,16 @@ def shard_experts_over_tp(moe: MoE, tp_mesh: DeviceMesh, sequence_parallel: bool
         moe.expert_tp_group = tp_mesh.get_group()
         return
     for module in (moe.gate, moe.shared_gate):
-        for name, p in list(module.named_parameters(recurse=False)) if module is not None else ():
-            module.register_parameter(name, nn.Parameter(distribute_tensor(p, tp_mesh, [Replicate()])))
+        if module is not None:
+            _replicate_over_tp(module, tp_mesh)
     moe.tp_group = tp_mesh.get_group()
     experts.dispatcher = AllToAllDispatch(None, 1, tp_mesh.get_group())
+
+
+def _replicate_over_tp(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """`module`'s own parameters as Replicate() DTensors over `tp_mesh` (TP ranks that see different tokens)."""
+    for name, p in list(module.named_parameters(recurse=False)):
+        module.register_parameter(name, nn.Parameter(distribute_tensor(p, tp_mesh, [Replicate()])))
 
 
 def replicate_moe_over_tp(moe: MoE, tp_mesh: DeviceMesh, experts: bool = True) -> None:
@@ -201,10 +198,8 @@ def replicate_moe_over_tp(moe: MoE, tp_mesh: DeviceMesh, experts: bool = True) -
     folded EP mesh; each then sees every token routed to it from its whole EP group, TP peers included,
     so its gradient is whole."""
     for module in moe.modules():
-        if not experts and isinstance(module, GroupedExperts):
-            continue
-        for name, p in list(module.named_parameters(recurse=False)):
-            module.register_parameter(name, nn.Parameter(distribute_tensor(p, tp_mesh, [Replicate()])))
+        if experts or not isinstance(module, GroupedExperts):
+            _replicate_over_tp(module, tp_mesh)
     moe.experts.tokens_split = experts
     if moe.shared_experts is not None:
         moe.shared_experts.tokens_split = True

@@ -34,6 +34,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 from meshplan.executor.activation import activation
+from meshplan.executor.collectives import wait
 from meshplan.planner.model_spec import ModelSpec
 from torch.distributed.tensor import DTensor, Partial
 
@@ -72,8 +73,7 @@ class _SumGrad(torch.autograd.Function):
 
 def _sum_over(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """All-reduce (sum) with autograd: its backward sums the gradients over `group` too."""
-    out = funcol.all_reduce(t, "sum", group)
-    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    return wait(funcol.all_reduce(t, "sum", group))
 
 
 class _SumForward(torch.autograd.Function):
