@@ -85,10 +85,10 @@ def to_megatron(plan: Plan, warnings: list[str] | None = None) -> str:
                  "version; fall back to --use-distributed-optimizer (ZeRO-1) if it refuses")
     if p.dtype in ("bf16", "fp16"):
         args.append((f"--{p.dtype}", None))
-    if p.dtype == "bf16" and plan.search.software == "megatron-bridge":  # costed with bf16 gradients
-        args.append(("--grad-reduce-in-bf16", None))
-    if plan.search.software == "megatron-bridge":  # costed with a fused cross-entropy (Megatron-LM's own kernel)
-        args.append(("--cross-entropy-loss-fusion", None))
+    if plan.search.software == "megatron-bridge":  # costed with bf16 gradients and a fused cross-entropy
+        if p.dtype == "bf16":
+            args.append(("--grad-reduce-in-bf16", None))
+        args.append(("--cross-entropy-loss-fusion", None))  # Megatron-LM's own kernel (it refuses TE's)
     if p.fp8 != "none":  # Transformer Engine: E4M3 forward, E5M2 gradients; current scaling is "tensorwise"
         args += [("--fp8-format", "hybrid"), ("--fp8-recipe", "delayed" if p.fp8 == "delayed" else "tensorwise")]
         if p.zero >= 1:  # FP8 parameters, as `--software megatron` costs them (profiler/software.py)
