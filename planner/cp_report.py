@@ -58,7 +58,7 @@ def cp_choice_notes(search, plan: Plan) -> list[str]:
     Empty when only one degree was enumerated."""
     per: dict[int, list] = {}
     for bound, memory, cand in search.bounds_seen:
-        bound = max(bound, search.refined_bounds.get(cand, bound))
+        bound = math.inf if bound is None else max(bound, search.refined_bounds.get(cand, bound))
         per.setdefault(cand.cp, []).append((bound, memory, search.limit(cand), cand))
     if len(per) <= 1:
         return []

@@ -185,6 +185,13 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints,
                                                         order=order, cp=cp, cp_mode=cp_mode, ep=ep, expert_tp=etp)
 
 
+def memory_key(cand: Candidate) -> tuple:
+    """What a candidate's memory bound (`Search._bounds`' ratio) depends on: not where its groups are
+    placed (`order`) nor anything else that only moves time (tests/test_search.py checks it)."""
+    return (cand.tp, cand.cp, cand.cp_mode, cand.pp, cand.dp, cand.b, cand.schedule, cand.v, cand.zero,
+            cand.recompute, cand.recompute_pinned, cand.ep, cand.expert_tp)
+
+
 class _Bounds(NamedTuple):
     """A candidate's bounds before any ILP: `closed` on the ILP's objective (cost_model.lower_bound),
     `ratio` its memory lower bound over the limit, and the pieces of the closed form the reported-time
@@ -247,8 +254,9 @@ class Search:
         self.feasible = 0
         # (demand or None until exit 3 needs it, index, candidate) of candidates that cannot fit
         self.memory_pruned: list[tuple[float | None, int, Candidate]] = []
-        # (reported-time lower bound, memory lower bound, candidate) of everything considered, for `--pareto`.
-        self.bounds_seen: list[tuple[float, float, Candidate]] = []
+        # (reported-time lower bound, memory lower bound, candidate) of everything considered, for `--pareto`;
+        # the time bound None where the memory bound alone pruned it (`_queue`)
+        self.bounds_seen: list[tuple[float | None, float, Candidate]] = []
         self.ranked_times: dict[Candidate, float] = {}  # solved candidates' reported (simulated) times
         self.refined_bounds: dict[Candidate, float] = {}  # the sharper bounds the search computed
         self.quick = _Quick(model)
@@ -511,14 +519,22 @@ class Search:
 
     def _queue(self) -> list[tuple[float, int, Candidate]]:
         """(reported-time bound, index, candidate) of every candidate that may fit, by bound; the others
-        go to `memory_pruned` (their demand is computed only for exit 3)."""
+        go to `memory_pruned` (their demand is computed only for exit 3) and to `bounds_seen` without a
+        time bound once a candidate of the same `memory_key` was found not to fit."""
         queue = []
+        unfit: dict[tuple, float] = {}  # memory_key -> memory bound of candidates that cannot fit
         for index, cand in enumerate(candidates(self.model, self.cluster, self.c, self.placer)):
             self.considered += 1
+            key = memory_key(cand)
+            if key in unfit:  # most candidates of a large MoE search: skip their time bounds
+                self.bounds_seen.append((None, unfit[key], cand))
+                self.memory_pruned.append((None, index, cand))
+                continue
             parts = self._bounds(cand)
             reported = self._reported(cand, parts)
             self.bounds_seen.append((reported, parts.ratio * parts.limit, cand))
             if parts.ratio > 1.0:
+                unfit[key] = parts.ratio * parts.limit
                 self.memory_pruned.append((None, index, cand))
                 continue
             queue.append((reported, index, cand))
@@ -701,6 +717,8 @@ def find_plan(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints, 
     if considered is not None:
         solved = {r.cand: r for r in results}
         for bound, memory, cand in search.bounds_seen:
+            if bound is None:  # pruned with others of its memory_key before its time bound was computed
+                bound = search.reported_bound(cand)
             if cand in solved:
                 r = solved[cand]
                 ev = evaluate(r.problem, r.solution.bounds, r.solution.recompute)

@@ -209,6 +209,30 @@ def test_quick_bounds_equal_the_per_layer_bounds():
         assert math.isclose(ratio, memory_lower_bound(P), rel_tol=1e-9) or min(ratio, memory_lower_bound(P)) > 1
 
 
+def test_candidates_of_one_memory_key_share_their_memory_bound():
+    """The search prunes a candidate by its memory_key once one candidate of that key did not fit
+    (Search._queue): placement, CP mode and EP layout included, the bound must be the key's."""
+    from collections import defaultdict
+
+    from meshplan.planner.cluster_spec import parse_cluster
+    from meshplan.planner.search import memory_key
+
+    model, cl = builtin_model("mixtral-8x7b"), parse_cluster("2x8xh100-80gb")
+    constraints = Constraints(global_batch_size=32, seq_len=32768)
+    search = Search(model, cl, constraints, preset_profile(model, cl))
+    groups: dict[tuple, list] = defaultdict(list)
+    for cand in candidates(model, cl, constraints, search.placer):
+        groups[memory_key(cand)].append(cand)
+    shared = [g for g in groups.values() if len(g) > 1]
+    assert len(shared) > 100 and {c.cp_mode for g in shared for c in g} >= {"ring", "all-gather"}
+    assert any(len({c.order for c in g}) > 1 for g in shared)
+    for group in shared[::3]:
+        first = search._bounds(group[0])
+        for cand in group[1:]:
+            parts = search._bounds(cand)
+            assert parts.limit == first.limit and math.isclose(parts.ratio, first.ratio, rel_tol=1e-12)
+
+
 def test_stage_times_and_memory_keys():
     model, cl, constraints, profile = _setup(10**9, pp=2)
     plan = find_plan(model, cl, constraints, profile)
