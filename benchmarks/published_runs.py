@@ -83,6 +83,16 @@ SOFTWARE: dict[str, str | dict] = {
     # OLMo-core's FSDP2 training (blocks compiled, torch SDPA): the executor's stack; its rows say which loss
     # ran (`fused_loss`)
     "olmo_core_readme": "torchtitan",
+    # GPT-NeoX-20B: DeepSpeed's pipeline engine (DeeperSpeed 0.3.15) with its fp16 optimizer under ZeRO-1
+    # ("reduce_scatter": true in configs/20B.yml), Megatron's fused softmax, fp16 gradients added up in autograd
+    "gpt_neox_20b": software_settings("megatron-deepspeed-2022", "fp16") | dict(grad_reduce="reduce_scatter"),
+    # OPT-175B: FairScale FSDP (flat parameters gathered in place: no copies) around Megatron TP without sequence
+    # parallelism, fp16 gradients reduce-scattered during the backward, Megatron's fused softmax and fp32 loss
+    "opt_175b": dict(attention="unfused", grad_overlap=True, grad_bytes=2, loss="megatron",
+                     **_NO_COPIES),
+    # BloombergGPT: SageMaker's ZeRO-3 (MiCS), bf16 with fp32 master weights, a fused masked-causal softmax
+    # (no flash attention), the loss's softmax in fp32
+    "bloomberggpt": dict(attention="unfused", grad_overlap=True, loss="megatron", **_NO_COPIES),
 }
 
 
@@ -95,7 +105,12 @@ CP_MODE = {"llama3_herd_2024": "all-gather"}
 # Interconnects that differ from the preset's DGX fabric, as the source documents them: BLOOM's Jean Zay nodes
 # had 4 x 100 Gb/s Omni-Path links per node of 8 A100s (BLOOM paper, arXiv:2211.05100 §3.4.1), 6.25 GB/s
 # per GPU, nominal (no measured bus bandwidth published).
-INTER_NODE = {"bloom_bigscience": LinkSpec(4 * 100e9 / 8 / 8, 4.0e-6)}
+# GPT-NeoX-20B's nodes had four ConnectX-6 HCAs (HDR, 200 Gb/s) for 8 A100s (arXiv:2204.06745 §2.3), 12.5 GB/s
+# per GPU at the preset HDR's nccl-tests share (24 of 25). BloombergGPT's p4d.24xlarge have EFA at 400 Gb/s per node
+# (arXiv:2303.17564 §3.3), 6.25 GB/s per GPU, nominal.
+INTER_NODE = {"bloom_bigscience": LinkSpec(4 * 100e9 / 8 / 8, 4.0e-6),
+              "gpt_neox_20b": LinkSpec(4 * 200e9 / 8 / 8, 4.0e-6, 24 / 25),
+              "bloomberggpt": LinkSpec(4 * 100e9 / 8 / 8, 4.0e-6)}
 
 
 def cluster_of(row: dict):
@@ -141,7 +156,7 @@ def model_of(row: dict) -> ModelSpec:
                    vocab_size=m["vocab_size"], max_seq_len=max(base.max_seq_len, m["seq_len"]),
                    position=m.get("position", base.position), embedding_norm=m.get("embedding_norm", False),
                    mlp=m.get("mlp", base.mlp), moe=moe, layers=(),
-                   **{k: m[k] for k in ("tied_embeddings", "linear_bias", "rotary_dim") if k in m})
+                   **{k: m[k] for k in ("tied_embeddings", "linear_bias", "rotary_dim", "parallel_residual") if k in m})
 
 
 def megatron_flops(row: dict, batch: int, recompute: bool) -> float:
@@ -166,8 +181,12 @@ def published_time(row: dict, model: ModelSpec) -> float | None:
         return batch * row["model"]["seq_len"] / (pub["tokens_per_s_per_gpu"] * n)
     if row["source_key"] == "megatron_readme_h100_2024" and pub.get("tflops_per_gpu"):
         return megatron_flops(row, batch, False) / (pub["tflops_per_gpu"] * 1e12 * n)
-    if row["source_key"] in ("megatron_sc21", "mt_nlg_2022") and pub.get("tflops_per_gpu"):
+    if row["source_key"] in ("megatron_sc21", "mt_nlg_2022", "opt_175b") and pub.get("tflops_per_gpu"):
         return megatron_flops(row, batch, True) / (pub["tflops_per_gpu"] * 1e12 * n)
+    if row["source_key"] == "gpt_neox_20b" and pub.get("tflops_per_gpu"):  # its logger's count (megatron/logging.py)
+        m = row["model"]
+        per_token = 6 * m["num_parameters"] + 60 * m["seq_len"] * m["hidden_size"] * m["num_layers"]
+        return batch * m["seq_len"] * per_token / (pub["tflops_per_gpu"] * 1e12 * n)
     if pub.get("tflops_per_gpu"):  # model FLOPs (6·N·D plus attention), as Llama 3 reports them
         from meshplan.planner.cost_compute import model_flops_per_iteration
 

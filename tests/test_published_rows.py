@@ -118,3 +118,31 @@ def test_olmo_core_rows_run_the_loss_their_script_chose():
         assert published_runs.published_time(row, model) == lay["global_batch_size"] * 4096 / (tps * 8)
         assert f"rank_microbatch_size={lay['micro_batch_size']} * 4096" in row["quote"]
     assert sum(r["layout"]["fused_loss"] for r in rows) == 3
+
+
+def test_2022_rows_time_by_their_own_flop_counts():
+    """GPT-NeoX-20B's 117 TFLOP/s are its logger's count, B·s·(6N + 60·s·h·L) per step (megatron/logging.py at
+    c560814b); OPT-175B's 147 Megatron's count with the recompute forward; BloombergGPT publishes its step (32.5 s,
+    and 102 TFLOP/s = 8·N·tokens over it). Each layout multiplies to its GPUs, and each row runs its software:
+    NeoX DeepSpeed's pipeline engine in fp16 (16-bit gradients, blocking transfers) with the GPT-J parallel
+    residual; OPT FairScale FSDP (no copies) with fp16 gradients; all three Megatron's unfused attention."""
+    rows = {r["id"]: r for r in ROWS if r["source_key"] in ("gpt_neox_20b", "opt_175b", "bloomberggpt")}
+    expected = {"neox20b_96gpu": 43.85, "opt175b_992gpu": 19.98, "bloomberggpt_512gpu": 32.5}
+    assert set(rows) == set(expected)
+    for name, seconds in expected.items():
+        row = rows[name]
+        lay = row["layout"]
+        assert lay["tp"] * lay["pp"] * lay["dp"] == row["num_gpus"]
+        model = published_runs.model_of(row)
+        assert abs(published_runs.published_time(row, model) - seconds) < 0.01, name
+        assert published_runs.software(row)["attention"] == "unfused"
+    bbg = rows["bloomberggpt_512gpu"]["model"]
+    tokens = 2048 * 2048
+    assert abs(8 * bbg["num_parameters"] * tokens / (512 * 32.5) / 1e12 - 102) < 0.5
+    neox = published_runs.software(rows["neox20b_96gpu"])
+    assert neox["grad_bytes"] == 2 and neox["p2p"] == "blocking" and neox["grad_reduce"] == "reduce_scatter"
+    assert published_runs.model_of(rows["neox20b_96gpu"]).parallel_residual
+    assert published_runs.model_of(rows["neox20b_96gpu"]).rotary_dim == 24
+    opt = published_runs.software(rows["opt175b_992gpu"])
+    assert opt["grad_bytes"] == 2 and opt["fsdp_copies"] is False and opt["sequence_parallel"] is False
+    assert published_runs.cluster_of(rows["bloomberggpt_512gpu"]).inter_node.bandwidth_Bps == 6.25e9
