@@ -12,7 +12,8 @@ from meshplan.profiler.profile import LINK_OPS, ComputeSample, LinkFit, Profile
 from meshplan.profiler.roofline import Roofline
 
 # AdamW with mixed precision touches ~36 bytes per parameter per step (read param, grad, 2 moments and the
-# fp32 master copy; write back param, moments, master): memory-bound, so bytes / memory bandwidth.
+# fp32 master copy; write back param, moments, master): memory-bound, a streaming kernel like the others, so
+# bytes / the bandwidth such kernels reach (DeviceSpec.memory_efficiency, BabelStream Triad's share).
 ADAM_BYTES_PER_PARAM = 36.0
 # The executor clips by the global norm first (executor.train.clip_and_step, as measured profiles time it):
 # the norm reads every fp32 gradient once and the scaling reads and writes it again.
@@ -88,6 +89,7 @@ def preset_profile(model: ModelSpec, cluster: ClusterSpec, dtype: str = "bf16", 
     return Profile(
         model=model, dtype=dtype, source="preset", device_kind=device.kind, device_name=device.type,
         torch_version=torch.__version__, compute=compute, links=links,
-        optimizer_s_per_param=(ADAM_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM) / device.memory_bandwidth_Bps,
+        optimizer_s_per_param=(ADAM_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM)
+        / (device.memory_bandwidth_Bps * device.memory_efficiency),
         concurrent_ranks=cluster.devices_per_node, roofline=roofline,
     )

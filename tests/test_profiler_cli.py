@@ -106,9 +106,11 @@ def test_preset_profile_for_a_large_cluster_from_a_laptop(tmp_path, capsys):
     p = load_profile(str(out), model=builtin_model("llama3-70b"))
     assert p.source == "preset" and p.links["inter_node"]["all_reduce"].beta_s_per_byte == pytest.approx(1 / 47e9)
     assert "links" in capsys.readouterr().out
-    # the optimizer step as the executor runs it: the global-norm clip's 12 B and AdamW's 36 B per parameter
+    # the optimizer step as the executor runs it: the global-norm clip's 12 B and AdamW's 36 B per parameter, at
+    # the streaming kernels' share of HBM's bandwidth (H100: BabelStream Triad 2.97 of 3.35 TB/s)
     h100 = parse_cluster("128x8xh100-80gb").device
-    assert p.optimizer_s_per_param == pytest.approx(48.0 / h100.memory_bandwidth_Bps)
+    assert p.optimizer_s_per_param == pytest.approx(48.0 / (h100.memory_bandwidth_Bps * h100.memory_efficiency))
+    assert h100.memory_efficiency < 1
 
 
 def test_plan_refuses_profile_of_another_model_or_schema(tmp_path, capsys, measured_1cpu):
