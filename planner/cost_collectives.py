@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.planner.candidate import Candidate, Links
-from meshplan.planner.cost_memory import grad_bytes
+from meshplan.planner.cost_memory import fp8_params, grad_bytes
 from meshplan.planner.model_spec import wrapped_unit_params
 from meshplan.profiler.analytic import DTYPE_BYTES
 
@@ -111,9 +111,18 @@ def engine_copy_time(profile, params: float, dtype: str, dp: int, zero: int, syn
     return r.bytes_time(params * (sync.gathers * unshard + sync.reductions * ((g if sync.full_grads else B) + g)))
 
 
-def _link_time(profile, ops: tuple[str, ...], params: float, dtype: str, dp: int, link_class: str) -> float:
-    """`ops` over `params` elements: gradient reductions at `grad_bytes`, parameter gathers at `dtype`."""
-    per = {"all_gather": DTYPE_BYTES[dtype]}
+def gather_bytes(profile, dtype: str, zero: int, block: bool) -> float:
+    """Bytes per parameter the data-parallel all-gathers move: the compute dtype's, or 1 for a block's
+    weights kept in FP8 (cost_memory.fp8_params; Megatron-Core's --fp8-param-gather: "Keep the compute
+    param in fp8 ... and perform the param all-gather in fp8", megatron/training/arguments.py)."""
+    return 1.0 if block and fp8_params(profile, zero) else float(DTYPE_BYTES[dtype])
+
+
+def _link_time(profile, ops: tuple[str, ...], params: float, dtype: str, dp: int, link_class: str,
+               gather: float | None = None) -> float:
+    """`ops` over `params` elements: gradient reductions at `grad_bytes`, parameter gathers at `gather`
+    bytes (`dtype`'s when None)."""
+    per = {"all_gather": DTYPE_BYTES[dtype] if gather is None else gather}
     g = grad_bytes(profile, dtype)
     return sum(profile.collective_time(op, params * per.get(op, g), dp, link_class) for op in ops)
 
@@ -133,21 +142,21 @@ def in_situ_factor(profile, zero: int) -> float | None:
 
 
 def dp_sync_time(profile, params: float, dtype: str, dp: int, zero: int, link_class: str,
-                 reductions: int = 1) -> float:
+                 reductions: int = 1, gather: float | None = None) -> float:
     """Data-parallel traffic per iteration for one unit of `params` (already ÷tp): `dp_ops` once, and its
     gradient reduction (the first op) `reductions` times in all (`GradSync`); scaled by the engine's
     in-situ factor when the profiler measured it (then it is the exposed time: see `unhidden_share`)."""
     if dp <= 1:
         return 0.0
     ops, _ = dp_ops(zero, grad_reduce_op(profile))
-    t = _link_time(profile, ops, params, dtype, dp, link_class) + \
+    t = _link_time(profile, ops, params, dtype, dp, link_class, gather) + \
         (reductions - 1) * _link_time(profile, ops[:1], params, dtype, dp, link_class)
     k = in_situ_factor(profile, zero)
     return t * (k if k is not None else 1.0) * profile.correction("dp_comm")
 
 
 def dp_reduction_times(profile, params: float, dtype: str, dp: int, zero: int, link_class: str,
-                       sync: GradSync) -> tuple[float, float]:
+                       sync: GradSync, gather: float | None = None) -> tuple[float, float]:
     """(per-iteration DP traffic of the step's tail, per-micro-batch reduction traffic) of one unit. Where a
     step reduces gradients after every micro-batch (`GradSync.reductions` > 1), the reductions before the
     last run beside later micro-batches' compute, on the communicator the parameter gathers use (NCCL runs
@@ -155,14 +164,15 @@ def dp_reduction_times(profile, params: float, dtype: str, dp: int, zero: int, l
     (cost_model.evaluate), spread evenly over the micro-batches; the last one stays in the tail. Measured
     in situ, all of it stays in the tail (the measurement is the exposed time)."""
     if sync.reductions <= 1 or dp <= 1 or profile.wrapper(zero) is not None:
-        return dp_sync_time(profile, params, dtype, dp, zero, link_class, sync.reductions), 0.0
+        return dp_sync_time(profile, params, dtype, dp, zero, link_class, sync.reductions, gather), 0.0
     ops, _ = dp_ops(zero, grad_reduce_op(profile))
     one = _link_time(profile, ops[:1], params, dtype, dp, link_class) * profile.correction("dp_comm")
-    return (dp_sync_time(profile, params, dtype, dp, zero, link_class),
+    return (dp_sync_time(profile, params, dtype, dp, zero, link_class, gather=gather),
             one * (sync.reductions - 1) / sync.reductions)
 
 
-def sharded_dp_time(profile, params: float, dtype: str, dp: int, zero: int, link_class: str) -> float:
+def sharded_dp_time(profile, params: float, dtype: str, dp: int, zero: int, link_class: str,
+                    gather: float | None = None) -> float:
     """Data-parallel cost of one unit every micro-batch: the engine's hooks and, under ZeRO-3, the two
     parameter gathers (`dp_ops`). Measured in situ when the profiler could (exposed, per unit), else the
     link fit's gathers, overlapped with compute in `evaluate`."""
@@ -172,7 +182,7 @@ def sharded_dp_time(profile, params: float, dtype: str, dp: int, zero: int, link
     if w is not None:
         return w.hook_s * profile.correction("dp_comm")
     _, ops = dp_ops(zero)
-    return _link_time(profile, ops, params, dtype, dp, link_class) * profile.correction("dp_comm")
+    return _link_time(profile, ops, params, dtype, dp, link_class, gather) * profile.correction("dp_comm")
 
 
 def root_hook_time(profile, dp: int, zero: int) -> float:

@@ -59,6 +59,7 @@ from meshplan.planner.cost_collectives import (
     GradSync,
     dp_reduction_times,
     engine_copy_time,
+    gather_bytes,
     optimizer_time,
     sharded_dp_time,
     tp_exchange_time,
@@ -337,8 +338,9 @@ class _EPMixin:
                     continue
                 if layer.params not in by_params:
                     rest = (layer.params - experts) / tp
-                    tail_r, reduce_r = dp_reduction_times(self.profile, rest, self.dtype, dp, zero, link, sync)
-                    tail_e, reduce_e = dp_reduction_times(self.profile, ex, self.dtype, edp, zero, elink, sync)
+                    g = gather_bytes(self.profile, self.dtype, zero, True)
+                    tail_r, reduce_r = dp_reduction_times(self.profile, rest, self.dtype, dp, zero, link, sync, g)
+                    tail_e, reduce_e = dp_reduction_times(self.profile, ex, self.dtype, edp, zero, elink, sync, g)
                     by_params[layer.params] = (
                         rest * bytes_dp + ex * bytes_edp,
                         optimizer_time(self.profile, rest, dp, zero, tp)
@@ -346,8 +348,8 @@ class _EPMixin:
                         + engine_copy_time(self.profile, rest, self.dtype, dp, zero, sync)
                         + engine_copy_time(self.profile, ex, self.dtype, edp, zero, sync),
                         tail_r + tail_e,
-                        None if in_situ else sharded_dp_time(self.profile, rest, self.dtype, dp, zero, link)
-                        + sharded_dp_time(self.profile, ex, self.dtype, edp, zero, elink), reduce_r + reduce_e)
+                        None if in_situ else sharded_dp_time(self.profile, rest, self.dtype, dp, zero, link, g)
+                        + sharded_dp_time(self.profile, ex, self.dtype, edp, zero, elink, g), reduce_r + reduce_e)
                 state, opt, sync_s, per_mb, reduce = by_params[layer.params]
                 out[0][i], out[1][i], out[2][i], out[4][i] = state, opt, sync_s, reduce
                 if per_mb is not None:

@@ -26,6 +26,7 @@ from meshplan.planner.cost_collectives import (
     GradSync,
     dp_reduction_times,
     engine_copy_time,
+    gather_bytes,
     grad_sync,
     optimizer_time,
     overlap_tax,
@@ -320,10 +321,11 @@ class Terms:
                 key = (layer.params, layer.kind == "block")
                 if key not in by_params:
                     w = layer.params / tp
+                    gather = gather_bytes(self.profile, self.dtype, zero, layer.kind == "block")
                     # in situ, the embedding's and head's hooks are the stage root's (root_hook_time)
                     per_mb = 0.0 if in_situ and layer.kind != "block" else \
-                        sharded_dp_time(self.profile, w, self.dtype, dp, zero, link)
-                    tail, reduce = dp_reduction_times(self.profile, w, self.dtype, dp, zero, link, sync)
+                        sharded_dp_time(self.profile, w, self.dtype, dp, zero, link, gather)
+                    tail, reduce = dp_reduction_times(self.profile, w, self.dtype, dp, zero, link, sync, gather)
                     by_params[key] = (
                         w * per_param[layer.kind == "block"], optimizer_time(self.profile, w, dp, zero, tp)
                         + engine_copy_time(self.profile, w, self.dtype, dp, zero, sync), tail, per_mb, reduce)
