@@ -120,7 +120,12 @@ def in_flight(schedule: str, pp: int, v: int, m: int, rank: int) -> float:
 
 
 def _walk(schedule: str, pp: int, v: int, m: int, rank: int) -> tuple[tuple[tuple[float, float], ...], float]:
-    return _walks(schedule, pp, v, m)[rank] if schedule == "zero-bubble" else _looped_moments(schedule, pp, v, m, rank)
+    if schedule != "zero-bubble":
+        return _looped_moments(schedule, pp, v, m, rank)
+    # From 2·pp micro-batches on, ZB-V's warm-up and both chunks' first backwards are the same and only
+    # the steady phase grows, which neither raises the activations nor allocates gradients: walk at most
+    # 4·pp (tests/test_cost_model.py checks the walks agree), not the thousands a large batch has
+    return _walks(schedule, pp, v, min(m, 4 * pp))[rank]
 
 
 def _looped_moments(schedule: str, pp: int, v: int, m: int, rank: int

@@ -65,6 +65,7 @@ class Placer:
         self.leaves = device_leaves(self.graph, cluster.world_size)
         self.leaf_gpus = np.bincount(self.leaves[self.leaves >= 0])  # GPUs under each leaf switch
         self._links: dict[tuple, Links] = {}
+        self._orders: dict[tuple, list[tuple[str, ...]]] = {}
 
     def place(self, pp: int, dp: int, tp: int, order: tuple[str, ...], cp: int = 1) -> Placement:
         order = full_order(order)
@@ -92,13 +93,16 @@ class Placer:
 
     def orders(self, pp: int, dp: int, tp: int, cp: int = 1) -> list[tuple[str, ...]]:
         """Orders that differ in link classes (the default first); equal ones would be duplicates."""
-        seen, out = set(), []
-        for order in ORDERS:
-            links = self.links(pp, dp, tp, order, cp)
-            if links not in seen:
-                seen.add(links)
-                out.append(order)
-        return out
+        key = (pp, dp, tp, cp)
+        if key not in self._orders:
+            seen, out = set(), []
+            for order in ORDERS:
+                links = self.links(pp, dp, tp, order, cp)
+                if links not in seen:
+                    seen.add(links)
+                    out.append(order)
+            self._orders[key] = out
+        return self._orders[key]
 
 
 def model_graph(model: ModelSpec) -> nx.DiGraph:

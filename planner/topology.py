@@ -162,11 +162,10 @@ def groups_along(mesh: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
 def members_per_domain(domains: np.ndarray, axes: tuple[int, ...]) -> int:
     """Fewest members any group spanning `axes` of a placed [pp, dp, cp, tp] mesh has inside one NVLink
     domain (its other members sit in other domains)."""
-    groups = groups_along(domains, axes)
-    fewest = groups.shape[1]
-    for row in groups:
-        fewest = min(fewest, int(np.unique(row, return_counts=True)[1].min()))
-    return fewest
+    runs = np.sort(groups_along(domains, axes), axis=1)  # one run per (group, domain)
+    starts = np.ones(runs.shape, dtype=bool)
+    starts[:, 1:] = runs[:, 1:] != runs[:, :-1]  # every group starts a run of its own
+    return int(np.bincount(np.cumsum(starts.ravel()) - 1).min())
 
 
 def bottleneck_Bps(graph: nx.Graph, a: int, b: int) -> float:

@@ -527,3 +527,18 @@ def test_pooled_reductions_are_reported_under_dp():
     pooled = ev.stages[0].communication  # no TP, no pipeline: all of it is the pool's
     assert out["fsdp_gather"] == pytest.approx(4 * pooled * gathers / (gathers + reduces))
     assert out["dp"] == pytest.approx(ev.stages[0].dp_sync + 4 * pooled * reduces / (gathers + reduces))
+
+
+def test_zero_bubble_walk_settles_after_two_pp_micro_batches():
+    """ZB-V's gradient moments stop changing once m reaches 2·pp (its warm-up and both chunks' first
+    backwards no longer move; only the steady phase grows), so the search walks at most 4·pp micro-batches:
+    walking the full m gives the same moments."""
+    from meshplan.planner.cost_pipeline import _walks, emb_in_flight
+
+    for pp in (1, 2, 3, 4, 8, 16):
+        settled = _walks("zero-bubble", pp, 2, 2 * pp)
+        for m in (2 * pp + 1, 3 * pp + 2, 4 * pp, 4 * pp + 5, 9 * pp + 3):
+            assert _walks("zero-bubble", pp, 2, m) == settled, (pp, m)
+            for r in range(pp):
+                assert grad_moments("zero-bubble", pp, 2, m, r) == grad_moments("zero-bubble", pp, 2, 4 * pp, r)
+                assert emb_in_flight("zero-bubble", pp, 2, m, r) == emb_in_flight("zero-bubble", pp, 2, 2 * pp, r)

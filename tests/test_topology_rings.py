@@ -68,3 +68,21 @@ def test_context_parallel_all_to_all_keeps_the_spine():
     links = Placer(pod(2.0)).links(1, 1, 8, ORDER, cp=8)
     assert links.cp == "inter_node" and links.cp_link("ring") == "inter_node"
     assert links.cp_link("all-gather") == "inter_node" and links.cp_link("all-to-all") == "inter_leaf"
+
+
+def test_members_per_domain_counts_the_fewest_of_any_group():
+    """The fewest members any group (a row of `groups_along`) has inside one domain, counted for all groups
+    at once: against a per-group count on random placed meshes."""
+    import numpy as np
+
+    from meshplan.planner.topology import groups_along, members_per_domain
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        domains = rng.integers(0, 4, size=tuple(int(x) for x in rng.integers(1, 5, size=4)))
+        for axes in ((1,), (2,), (1, 2), (0, 3)):
+            per_group = min(int(np.unique(row, return_counts=True)[1].min()) for row in groups_along(domains, axes))
+            assert members_per_domain(domains, axes) == per_group
+    # 2 nodes of 8, dp 4 x cp 4 over them: each dp x cp group holds 8 of its 16 members in each node
+    dom = np.repeat(np.arange(2), 8).reshape(1, 4, 4, 1)
+    assert members_per_domain(dom, (1, 2)) == 8
