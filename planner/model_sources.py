@@ -163,11 +163,12 @@ def _rotary_dim(path: str, head_dim: int, share: float) -> int:
     return 0 if dim == head_dim else dim
 
 
-def _sizes(cfg: dict, path: str, name: str, h: int, heads: int) -> dict[str, Any]:
+def _sizes(cfg: dict, path: str, name: str, h: int, heads: int, layers: tuple[str, ...] = ("num_hidden_layers",)
+           ) -> dict[str, Any]:
     """The ModelSpec fields every reader takes the same way, with the LayerNorm/biases block of GPT-2's line
-    (the readers below change what differs)."""
+    (the readers below change what differs); `layers`: the config keys of the layer count, first found."""
     return dict(name=name, arch="gpt2", norm="layernorm", mlp="gelu", position="rope", vocab_size=_cfg_int(
-        cfg, path, "vocab_size"), hidden_size=h, num_layers=_cfg_int(cfg, path, "num_hidden_layers"), num_heads=heads)
+        cfg, path, "vocab_size"), hidden_size=h, num_layers=_cfg_int(cfg, path, *layers), num_heads=heads)
 
 
 def _expect(cfg: dict, path: str, key: str, want: Any, default: Any, why: str) -> None:
@@ -280,9 +281,8 @@ def _bloom(cfg: dict, path: str, name: str) -> ModelSpec:
     h = _cfg_int(cfg, path, "hidden_size", "n_embed")
     heads = _cfg_int(cfg, path, "num_attention_heads", "n_head")
     return ModelSpec(
-        name=name, arch="gpt2", norm="layernorm", mlp="gelu", position="alibi", linear_bias=True, embedding_norm=True,
-        vocab_size=_cfg_int(cfg, path, "vocab_size"), hidden_size=h,
-        num_layers=_cfg_int(cfg, path, "num_hidden_layers", "n_layer"), num_heads=heads, num_kv_heads=heads,
+        **(_sizes(cfg, path, name, h, heads, ("num_hidden_layers", "n_layer")) | dict(position="alibi")),
+        linear_bias=True, embedding_norm=True, num_kv_heads=heads,
         ffn_hidden_size=4 * h, max_seq_len=_cfg_int(cfg, path, "seq_length", default=2048),
         tied_embeddings=bool(cfg.get("tie_word_embeddings", True)), norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
     )

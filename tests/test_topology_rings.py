@@ -74,7 +74,6 @@ def test_members_per_domain_counts_the_fewest_of_any_group():
     """The fewest members any group (a row of `groups_along`) has inside one domain, counted for all groups
     at once: against a per-group count on random placed meshes."""
     import numpy as np
-
     from meshplan.planner.topology import groups_along, members_per_domain
 
     rng = np.random.default_rng(0)
