@@ -156,7 +156,8 @@ def model_of(row: dict) -> ModelSpec:
                    vocab_size=m["vocab_size"], max_seq_len=max(base.max_seq_len, m["seq_len"]),
                    position=m.get("position", base.position), embedding_norm=m.get("embedding_norm", False),
                    mlp=m.get("mlp", base.mlp), moe=moe, layers=(),
-                   **{k: m[k] for k in ("tied_embeddings", "linear_bias", "rotary_dim", "parallel_residual") if k in m})
+                   **{k: m[k] for k in ("tied_embeddings", "linear_bias", "rotary_dim", "parallel_residual", "qk_norm")
+                      if k in m})
 
 
 def megatron_flops(row: dict, batch: int, recompute: bool) -> float:

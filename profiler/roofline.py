@@ -320,6 +320,8 @@ class Roofline:
         if spec.position == "rope":
             rotated = spec.rotated_dims / spec.head_dim  # GPT-NeoX rotates a part of each head
             ops += [2 * (q + kv) * rotated * 4 * 2]  # rotary on q and k, computed in fp32: read, write
+        if spec.qk_norm:  # Qwen3, OLMo 2: a norm over each head of q and of k
+            ops += [norm_bytes(self.norm, B) * (q + kv)]
         tokens = b * s
         return sum(self.bytes_time(tokens * o) for o in ops)
 

@@ -118,6 +118,9 @@ def test_olmo_core_rows_run_the_loss_their_script_chose():
         assert published_runs.published_time(row, model) == lay["global_batch_size"] * 4096 / (tps * 8)
         assert f"rank_microbatch_size={lay['micro_batch_size']} * 4096" in row["quote"]
     assert sum(r["layout"]["fused_loss"] for r in rows) == 3
+    # the OLMo configs norm q and k (TransformerConfig.olmo_*: qk_norm=True); Llama 3 8B's does not
+    assert {r["id"]: published_runs.model_of(r).qk_norm for r in rows} == {
+        "olmocore_1b_8gpu": True, "olmocore_7b_8gpu": True, "olmocore_8b_8gpu": False, "olmocore_13b_8gpu": True}
 
 
 def test_2022_rows_time_by_their_own_flop_counts():

@@ -73,6 +73,17 @@ def test_eager_fp32_rmsnorm_moves_its_ops_bytes():
     assert extra == pytest.approx(2 * 2048 * 32 * model.hidden_size / 1.725e12)
 
 
+def test_qk_norm_moves_a_norm_over_q_and_k():
+    """Qwen3's and OLMo 2's norm over each head of q and of k: a fused norm's 4 bytes per element of q and k
+    (llama3-8b's q = 4,096 and kv = 1,024 per token, b = 1, s = 2048, one A100 at 1.725 TB/s achievable)."""
+    from dataclasses import replace
+
+    model = builtin_model("llama3-8b")
+    normed = replace(model, qk_norm=True, layers=())
+    extra = A100.elementwise(normed, 1, 2048, 1, False) - A100.elementwise(model, 1, 2048, 1, False)
+    assert extra == pytest.approx(2048 * 4 * (4096 + 1024) / 1.725e12)
+
+
 def test_partial_rotary_moves_its_share_of_bytes():
     """GPT-NeoX rotates a quarter of each head: the rotary op reads and writes q and k in fp32, 2·(q+kv)·4·2
     bytes per token for all of them; with rotary_dim = head_dim/4 the block's forward saves 3/4 of that
