@@ -194,7 +194,7 @@ def run_main(argv: Sequence[str]) -> int:
 
         _, chosen = plan_candidates(plan)
         write_pareto(considered, chosen, args.pareto, capacity_bytes=plan.cluster.device.memory_bytes,
-                     title=f"{model.name} on {cluster.name}: {len(considered)} candidates "
+                     title=f"{model.name} on {cluster.name}: {len(considered)} candidates\n"
                            "(solved: predicted; pruned: lower bounds)")
     if not args.profile:
         from meshplan.profiler.source import preset_note
