@@ -171,15 +171,16 @@ def moe_tp_comm_time(profile, model: ModelSpec, tokens: float, tp: int, ep: int,
     if tp <= 1 or model.moe is None or profile.tp_collectives_measured("block", tp):
         return 0.0
     dense = tokens * model.hidden_size * DTYPE_BYTES[dtype]
+    mlp = tp_exchange_time(profile, dense, tp)  # the dense MLP's, which every block is charged
     sharded = sharded_dispatch(profile)
-    shared = tp_exchange_time(profile, dense, tp) if sharded and model.moe.num_shared_experts else 0.0
+    shared = mlp if sharded and model.moe.num_shared_experts else 0.0
     if expert_tp != tp:  # expert_tp 1: the MoE takes the sequence shard
         routed = 0.0
     elif sharded:  # the received rows gathered over TP, the experts' output reduce-scattered
         routed = tp_exchange_time(profile, model.moe.top_k * (imbalance if ep > 1 else 1.0) * dense, tp)
     else:
-        routed = tp_exchange_time(profile, dense, tp)
-    return routed + shared - tp_exchange_time(profile, dense, tp)
+        routed = mlp
+    return routed + shared - mlp
 
 
 def dispatch_bytes(model: ModelSpec, tokens: float, tp: int, dtype: str, imbalance: float) -> float:

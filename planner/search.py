@@ -265,9 +265,8 @@ class Search:
     def terms_for(self, cand: Candidate) -> Terms:
         """The candidate's Terms: the shared ones, or its CP degree's (planner/cost_cp.py); for a MoE model
         its EP layout's (planner/cost_ep.py)."""
-        cp_link = self.links(cand).cp_link(cand.cp_mode)
-        terms = self.terms if cand.cp == 1 else cp_terms(self.terms, cand.cp, cand.cp_mode, cp_link)
         links = self.links(cand)
+        terms = self.terms if cand.cp == 1 else cp_terms(self.terms, cand.cp, cand.cp_mode, links.cp_link(cand.cp_mode))
         return ep_terms(terms, cand, links.ep, self.c.moe_imbalance, links.edp)
 
     def reserve(self, cand: Candidate) -> Reserve:
