@@ -35,7 +35,7 @@ ROWS = Path(__file__).with_name("data") / "published_rows.json"
 # Sources whose rows carry a full dense layout and a bf16/fp16 time; the FSDP-only MPT table and the fp8
 # pages are left to --source.
 DEFAULT_SOURCES = ("megatron_sc21", "korthikanti_2022", "llama3_herd_2024", "bloom_bigscience", "mt_nlg_2022",
-                   "dgxc_benchmarking")
+                   "dgxc_benchmarking", "nemotron4_2024")
 # How each source's software ran (facts about the runs, not fitted values): a named software of
 # profiler/software.py (its docstring has the sources), one with changes, or settings of its own.
 # - SC'21's artifact (examples/sc21/run_table_1.sh) runs Megatron-LM in fp16 with DDP=local from 39B up and
@@ -73,6 +73,9 @@ SOFTWARE: dict[str, str | dict] = {
     "nemo_perf_summary_moe": "megatron-bridge",  # NeMo 2's performance scripts, Mixtral (MoE)
     # NVIDIA's DGX Cloud benchmarking recipes run NeMo 24.09/24.11 (Megatron-Core); their rows are BF16
     "dgxc_benchmarking": "megatron",
+    # Nemotron-4 15B and 340B's pretraining runs (NVIDIA, 2024): Megatron tensor parallelism with the distributed
+    # optimizer, BF16
+    "nemotron4_2024": "megatron",
     "dgxc_benchmarking_fp8": "megatron",  # the same recipes' FP8 tables (Transformer Engine, delayed scaling)
     # NeMo 25.04.01 on GB200 NVL72: its performance scripts fuse the cross-entropy with Transformer Engine's
     # kernel (NeMo v2.3.1 scripts/performance/utils.py set_primary_perf_configs)

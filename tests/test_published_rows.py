@@ -149,3 +149,24 @@ def test_2022_rows_time_by_their_own_flop_counts():
     opt = published_runs.software(rows["opt175b_992gpu"])
     assert opt["grad_bytes"] == 2 and opt["fsdp_copies"] is False and opt["sequence_parallel"] is False
     assert published_runs.cluster_of(rows["bloomberggpt_512gpu"]).inter_node.bandwidth_Bps == 6.25e9
+
+
+def test_nemotron4_rows_match_their_published_mfu():
+    """Nemotron-4's pretraining tables (15B: arXiv:2402.16819 Table 2; 340B: arXiv:2406.11704 Table 2) publish the
+    iteration time and the MFU of each stage of the batch ramp-up. Each row's time gives back its MFU under
+    6·(non-embedding parameters + output layer) + 12·L·s·h FLOPs a token at 989 TFLOP/s, which checks the
+    transcription; the layouts multiply to the GPU counts (tp 8, and pp 12 for 340B) and run Megatron."""
+    rows = [r for r in ROWS if r["source_key"] == "nemotron4_2024"]
+    assert len(rows) == 6 and "nemotron4_2024" in published_runs.DEFAULT_SOURCES
+    non_embedding = {"Nemotron-4 15B": 12.5e9, "Nemotron-4 340B": 331.6e9}
+    for row in rows:
+        m, lay, pub = row["model"], row["layout"], row["published"]
+        assert lay["tp"] * lay["pp"] * lay["dp"] == row["num_gpus"] and lay["tp"] == 8
+        assert lay["pp"] == (12 if "340b" in row["id"] else 1)
+        per_token = 6 * (non_embedding[m["name"]] + m["vocab_size"] * m["hidden_size"]) \
+            + 12 * m["num_layers"] * m["seq_len"] * m["hidden_size"]
+        model = published_runs.model_of(row)
+        seconds = published_runs.published_time(row, model)
+        mfu = lay["global_batch_size"] * m["seq_len"] * per_token / (seconds * row["num_gpus"] * 989e12)
+        assert abs(100 * mfu - pub["mfu_pct"]) < 0.35, row["id"]
+        assert published_runs.usable(row) and published_runs.software(row)["software"] == "megatron"
