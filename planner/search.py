@@ -1,7 +1,7 @@
 """The search: enumerate the small outer space, bound, and solve the stage ILP only where it can win.
 
-Outer space: tp (divides heads, kv heads and a node), pp, dp = world/(tp·pp), micro-batch size b
-(m = global/(dp·b)), schedule and virtual stages, ZeRO level, recompute mode and mesh placement. Every
+Outer space (planner/search_space.py): tp (divides heads, kv heads and a node), cp, pp, dp, micro-batch
+size b (m = global/(dp·b)), schedule and virtual stages, ZeRO level, recompute mode and mesh placement. Every
 candidate gets a memory lower bound and a lower bound on the time the search reports for it: the ILP's
 closed form (planner/cost_model.py `lower_bound`) without a pipeline, else the plan's schedule simulated
 from its stage times (planner/shared_cores.py), sharpened just before solving (`refined_bound`: the busiest
@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -32,9 +32,8 @@ from meshplan.planner.cost_collectives import (
     step_sync_time,
     unhidden_share,
 )
-from meshplan.planner.cost_compute import model_flops_per_iteration
-from meshplan.planner.cost_cp import cp_modes, cp_pp_pairs, cp_terms
-from meshplan.planner.cost_ep import ep_options, ep_terms, links_with_ep
+from meshplan.planner.cost_cp import cp_terms
+from meshplan.planner.cost_ep import ep_terms, links_with_ep
 from meshplan.planner.cost_memory import (
     fixed_bytes,
     gather_workspace,
@@ -60,22 +59,17 @@ from meshplan.planner.cost_pipeline import (
     zb_ratio,
 )
 from meshplan.planner.errors import InfeasibleError, InputError
-from meshplan.planner.exposed import exposed_communication
 from meshplan.planner.ilp import PartitionSolver, Solution
 from meshplan.planner.memory_reserve import Reserve, reserve, usable_bytes
 from meshplan.planner.model_spec import ModelSpec
 from meshplan.planner.placement import Placer, allowed_cuts, model_graph
 from meshplan.planner.plan import (
-    Alternative,
-    ParallelConfig,
-    Placement,
     Plan,
-    Predicted,
     SearchStats,
-    StagePlan,
     stage_rank,
 )
-from meshplan.planner.report import human_bytes
+from meshplan.planner.search_plan import describe, infeasible_message, parallel_config, plan_key, to_plan
+from meshplan.planner.search_space import candidates, memory_key
 from meshplan.planner.shared_cores import (
     evaluation_lower_bound,
     makespan_lower_bound,
@@ -84,7 +78,6 @@ from meshplan.planner.shared_cores import (
 )
 
 Progress = Callable[[int, int], None]
-MAX_VIRTUAL_STAGES = 8
 TOLERANCE = 1 + 1e-12  # a bound this close to a solved time may still tie it (ties go to the earlier candidate)
 
 
@@ -99,97 +92,6 @@ class Scored:
     @property
     def objective(self) -> float:
         return self.solution.objective
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def schedules(pp: int, m: int, num_layers: int, constraints: Constraints, blocks: int = 0
-              ) -> Iterator[tuple[str, int]]:
-    """(schedule, virtual stages) that torch.distributed.pipelining can run for this pp and m.
-    zero-bubble is emitted only as ZB-V (v = 2, V-shaped placement, ScheduleZBVZeroBubble) to keep the
-    executor's mapping simple; Schedule1F1B and ZBV need m ≥ pp; interleaved needs m % pp == 0. Unpinned,
-    interleaving takes v = 2 and the v whose pp·v chunks split the `blocks` evenly (Megatron-LM's rule), or
-    split them evenly with the embedding and the head counted as a layer each (Megatron-Core's
-    account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split; Llama 3 §3.3.2 takes one
-    layer off the first and the last stage): an uneven chunk delays every micro-batch that passes it, and
-    each v costs an ILP."""
-    engine = constraints.engine_schedules
-    for name, v in _schedules(pp, m, num_layers, constraints, blocks):
-        if engine is None or name in engine:
-            yield name, v
-
-
-def _schedules(pp: int, m: int, num_layers: int, constraints: Constraints, blocks: int) -> Iterator[tuple[str, int]]:
-    pin_s, pin_v = constraints.schedule, constraints.virtual_stages
-    if pp == 1:
-        options = [("1f1b", 1), ("gpipe", 1)] if pin_s in (None, "1f1b", "gpipe") else []
-        for name, v in options:
-            if (pin_s is None and name == "1f1b" or pin_s == name) and pin_v in (None, 1):
-                yield name, v
-        return
-    if pin_v in (None, 1):
-        if pin_s in (None, "gpipe"):
-            yield "gpipe", 1
-        if pin_s in (None, "1f1b") and m >= pp:
-            yield "1f1b", 1
-    if pin_s in (None, "interleaved-1f1b") and m % pp == 0:
-        vs = [pin_v] if pin_v is not None else [v for v in range(2, MAX_VIRTUAL_STAGES + 1)
-                                                if v == 2 or not blocks or blocks % (pp * v) == 0
-                                                or (blocks + 2) % (pp * v) == 0]
-        for v in vs:
-            if v >= 2 and pp * v <= num_layers:
-                yield "interleaved-1f1b", v
-    if pin_s in (None, "zero-bubble") and pin_v in (None, 2) and m >= pp and 2 * pp <= num_layers:
-        yield "zero-bubble", 2
-
-
-def candidates(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints,
-               placer: Placer) -> Iterator[Candidate]:
-    """Every outer candidate that satisfies the pins, simplest first within each mesh shape."""
-    world, gbs, c = cluster.world_size, constraints.global_batch_size, constraints
-    n_layers = len(model.layers)
-    for tp in divisors(world):
-        if (c.tp is not None and tp != c.tp) or cluster.devices_per_node % tp or model.num_heads % tp \
-                or model.num_kv_heads % tp or model.ffn_hidden_size % tp or c.effective_seq_len(model) % tp:
-            continue  # the executor shards heads and the MLP by tp and the sequence (sequence parallel) too
-        for cp, pp in cp_pp_pairs(model, cluster, c, tp):  # cp = 1 first (planner/cost_cp.py)
-            if (c.pp is not None and pp != c.pp) or pp > n_layers:
-                continue
-            dp = world // (tp * cp * pp)
-            if (c.dp is not None and dp != c.dp) or gbs % dp:
-                continue
-            for b in divisors(gbs // dp):
-                if c.micro_batch_size is not None and b != c.micro_batch_size:
-                    continue
-                m = gbs // (dp * b)
-                for schedule, v in schedules(pp, m, n_layers, c, model.num_layers):
-                    for zero in ([c.zero] if c.zero is not None else range(4 if dp * cp > 1 else 1)):
-                        if c.engine_zero is not None and zero not in c.engine_zero and dp * cp > 1:
-                            continue  # a ZeRO level the --software engine does not run
-                        if schedule == "zero-bubble" and zero == 3:
-                            continue  # the executor refuses it: FSDP2 resharding breaks the split backward
-                        if c.recompute is not None:
-                            modes = [(c.recompute, c.recompute != "none")]
-                        else:  # the ILP counts full recompute per stage; the executor's selective is all blocks
-                            modes = [(mode, pinned) for mode, pinned in (("none", False), ("selective", True),
-                                                                         ("full", False))
-                                     if c.engine_recompute is None or mode in c.engine_recompute]
-                        for mode, pinned in modes:
-                            for order in placer.orders(pp, dp, tp, cp):
-                                for cp_mode in cp_modes(model, cluster, c, tp, cp):
-                                    for ep, etp in ep_options(model, dp, cp, tp, c.ep, c.expert_tp):
-                                        yield Candidate(dp=dp, tp=tp, pp=pp, v=v, schedule=schedule, b=b, m=m,
-                                                        zero=zero, recompute=mode, recompute_pinned=pinned,
-                                                        order=order, cp=cp, cp_mode=cp_mode, ep=ep, expert_tp=etp)
-
-
-def memory_key(cand: Candidate) -> tuple:
-    """What a candidate's memory bound (`Search._bounds`' ratio) depends on: not where its groups are
-    placed (`order`) nor anything else that only moves time (tests/test_search.py checks it)."""
-    return (cand.tp, cand.cp, cand.cp_mode, cand.pp, cand.dp, cand.b, cand.schedule, cand.v, cand.zero,
-            cand.recompute, cand.recompute_pinned, cand.ep, cand.expert_tp)
 
 
 class _Bounds(NamedTuple):
@@ -509,7 +411,7 @@ class Search:
                 continue
             self.feasible += 1
             scored, ranked = self.score(cand, problem, solution, index, board.kth)
-            board.add(_key(_parallel(self, scored), cand.order), scored, ranked)
+            board.add(plan_key(parallel_config(self, scored), cand.order), scored, ranked)
             if ranked:
                 self.ranked_times[cand] = scored.time
         if progress is not None:
@@ -746,128 +648,3 @@ def find_plan(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints, 
 
     plan.cp_notes = cp_choice_notes(search, plan)  # for the CLI summary (not part of the plan JSON)
     return plan
-
-
-def describe(cand: Candidate) -> str:
-    v = f" v={cand.v}" if cand.v > 1 else ""
-    cp = f" cp={cand.cp} ({cand.cp_mode})" if cand.cp > 1 else ""
-    cp += f" ep={cand.ep}" + (f" expert_tp={cand.expert_tp}" if cand.expert_tp > 1 else "") if cand.ep > 1 else ""
-    return (f"pp={cand.pp} dp={cand.dp}{cp} tp={cand.tp} zero={cand.zero} {cand.schedule}{v} "
-            f"b={cand.b} m={cand.m} recompute={cand.recompute}")
-
-
-def infeasible_message(search: Search) -> str:
-    """Exit 3: the nearest candidate, by how much it exceeds memory where, and what would make it fit."""
-    near = search.nearest()
-    c, dev = search.c, search.cluster.device
-    per_param = sum(state_bytes(search.profile, c.dtype, 0, 1))
-    state = sum(layer.params for layer in search.model.layers) * per_param
-    need_devices = int(-(-state // (dev.memory_bytes * (1 - c.memory_margin))))
-    hints = []
-    if c.zero is not None and c.zero < 3:
-        hints.append("--zero 3 (shard parameters, gradients and optimizer over dp)")
-    if c.recompute in ("none", "selective"):
-        hints.append("--recompute full")
-    if c.micro_batch_size is not None and c.micro_batch_size > 1:
-        hints.append("a smaller --micro-batch-size")
-    for flag, value in (("--tp", c.tp), ("--pp", c.pp), ("--dp", c.dp)):
-        if value is not None:
-            hints.append(f"dropping {flag} {value}")
-    if c.memory_margin > 0.01:
-        hints.append(f"a smaller --memory-margin than {c.memory_margin}")
-    if need_devices <= search.cluster.world_size:  # the state fits sharded: the activations do not
-        default = " (the default, the model's maximum)" if c.seq_len is None else ""
-        hints.insert(0, f"a shorter --seq-len than {search.seq}{default}")
-        hints.append(f"more devices (the model state, {human_bytes(state)}, fits on this cluster; the "
-                     f"activations of {search.seq}-token sequences do not: more devices split them with "
-                     "context parallelism)")
-    else:
-        hints.append(f"more devices (model state alone is {human_bytes(state)} at {per_param:g} B/param: at "
-                     f"least {need_devices} devices of {human_bytes(dev.memory_bytes)} with ZeRO-3)")
-    tried = [name for name, pin in (("ZeRO level", c.zero), ("recompute mode", c.recompute),
-                                    ("micro-batch size", c.micro_batch_size)) if pin is None]
-    fit = "; to fit try " + ", ".join(hints) + (f" (every {', '.join(tried)} was tried)" if tried else "")
-    if near is None:
-        return (f"no feasible plan: no parallel configuration of {search.model.name} on {search.cluster.name} "
-                f"satisfies the constraints (searched {search.considered} candidates){fit}")
-    cand, problem, sol = near
-    ev = evaluate(problem, sol.bounds, sol.recompute)
-    worst = max(range(len(ev.rank_memory)), key=lambda r: ev.rank_memory[r])
-    stages = [s for s, r in enumerate(problem.rank) if r == worst]
-    usable, res = problem.mem_limit, search.reserve(cand)
-    over = ev.rank_memory[worst] - usable
-    need, limit = human_bytes(ev.rank_memory[worst]), human_bytes(dev.memory_bytes)
-    held = f" less {human_bytes(res.total)} for the {res.describe()}," if res.total else ","
-    return (f"no plan fits in memory: the nearest ({describe(cand)}) needs {need} on "
-            f"pipeline rank {worst} (stage {', '.join(map(str, stages))}), {human_bytes(over)} ({int(over)} bytes) "
-            f"over the {human_bytes(usable)} usable per device ({limit}{held} less the {c.memory_margin:.0%} "
-            f"margin){fit}")
-
-
-
-
-def _predicted(search: Search, scored: Scored, ev: Evaluation) -> Predicted:
-    cand = scored.cand
-    seconds = scored.time
-    tokens = search.c.global_batch_size * search.seq
-    flops = model_flops_per_iteration(search.model, search.c.global_batch_size, search.seq)
-    peak = search.cluster.device.peak_flops[search.c.dtype] * cand.dp * cand.cp * cand.tp * cand.pp
-    bubble = scored.problem.bubble
-    exposed = exposed_communication(cand, scored.problem, ev, scored.solution.bounds, scored.solution.recompute,
-                                    search.terms_for(cand))
-    return Predicted(
-        iteration_time_s=seconds, tokens_per_s=tokens / seconds,
-        bubble_fraction=bubble / (scored.problem.m + bubble), peak_memory_bytes=max(ev.rank_memory),
-        mfu=flops / (seconds * peak), exposed_communication_s=exposed, usable_memory_bytes=search.limit(cand))
-
-
-def _parallel(search: Search, scored: Scored) -> ParallelConfig:
-    cand = scored.cand
-    mode = cand.recompute if any(scored.solution.recompute) or cand.recompute_pinned else "none"
-    return ParallelConfig(
-        dp=cand.dp, tp=cand.tp, pp=cand.pp, virtual_stages=cand.v, zero=cand.zero, schedule=cand.schedule,
-        micro_batch_size=cand.b, num_micro_batches=cand.m, global_batch_size=search.c.global_batch_size,
-        seq_len=search.seq, recompute=mode, dtype=search.c.dtype, sequence_parallel=cand.tp > 1, cp=cand.cp,
-        cp_mode=cand.cp_mode if cand.cp > 1 else "ring", ep=cand.ep, expert_tp=cand.expert_tp,
-        fp8=getattr(getattr(search.profile, "roofline", None), "fp8", "none"))
-
-
-def to_plan(search: Search, results: list[Scored], stats: SearchStats) -> Plan:
-    best = results[0]
-    cand, sol = best.cand, best.solution
-    pb, gb, ob = state_bytes(search.profile, search.c.dtype, cand.zero, cand.dp,
-                             grad_sync(cand, search.sharded).full_grads)
-    total = pb + gb + ob
-    ev = evaluate(best.problem, sol.bounds, sol.recompute, (pb / total, gb / total, ob / total))
-    stages, m = [], cand.m
-    for s, res in enumerate(ev.stages):
-        stages.append(StagePlan(
-            stage=s, pp_rank=best.problem.rank[s], layers=[sol.bounds[s], sol.bounds[s + 1]],
-            recompute_layers=sol.recompute[s],
-            # Seconds per iteration on the stage (its m micro-batches; plan show divides by m): busy time
-            # without the bubble; dp_sync (exposed) and optimizer are the rank's once-per-iteration tail.
-            predicted_time_s={"forward": m * res.forward, "backward": m * res.backward,
-                              "recompute": m * res.recompute, "communication": m * res.communication,
-                              "total": m * res.total, "dp_sync": res.dp_sync, "optimizer": res.optimizer},
-            predicted_memory_bytes={"parameters": res.parameters, "gradients": res.gradients,
-                                    "optimizer": res.optimizer_state, "activations": res.activations,
-                                    "workspace": res.workspace, "total": res.memory_total}))
-    alternatives, seen = [], {_key(_parallel(search, best), best.cand.order)}
-    for other in results[1:]:
-        par = _parallel(search, other)
-        if _key(par, other.cand.order) in seen:
-            continue
-        seen.add(_key(par, other.cand.order))
-        oev = evaluate(other.problem, other.solution.bounds, other.solution.recompute)
-        note = f"{(other.time / best.time - 1):+.1%} time"
-        if other.cand.order != cand.order:
-            note += f", mesh order {'/'.join(other.cand.order)}"
-        alternatives.append(Alternative(par, _predicted(search, other, oev), note))
-    placement = search.placer.place(cand.pp, cand.dp, cand.tp, cand.order, cand.cp)
-    return Plan(model=search.model, cluster=search.cluster, parallel=_parallel(search, best), stages=stages,
-                predicted=_predicted(search, best, ev), alternatives=alternatives[:search.c.top_k], search=stats,
-                placement=Placement(list(placement.order), placement.ranks.tolist()))
-
-
-def _key(par: ParallelConfig, order: tuple[str, ...]) -> tuple:
-    return tuple(sorted(vars(par).items())) + (order,)

@@ -11,7 +11,8 @@ from meshplan.planner.constraints import Constraints
 from meshplan.planner.cost_model import StageProblem, evaluate
 from meshplan.planner.model_sources import builtin_model
 from meshplan.planner.model_spec import ModelSpec
-from meshplan.planner.search import Search, candidates
+from meshplan.planner.search import Search
+from meshplan.planner.search_space import candidates
 
 
 def partitions(P: StageProblem):

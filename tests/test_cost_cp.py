@@ -19,7 +19,8 @@ from meshplan.planner.cost_model import Terms, build_problem
 from meshplan.planner.errors import InputError
 from meshplan.planner.model_sources import builtin_model
 from meshplan.planner.placement import Placer
-from meshplan.planner.search import candidates, find_plan
+from meshplan.planner.search import find_plan
+from meshplan.planner.search_space import candidates
 from meshplan.profiler.analytic import layer_forward_flops
 from meshplan.profiler.presets import preset_profile
 

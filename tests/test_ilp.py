@@ -7,7 +7,8 @@ import pytest
 from meshplan.planner.constraints import Constraints
 from meshplan.planner.cost_model import evaluate
 from meshplan.planner.ilp import PartitionSolver, solve_assignment, solve_counts
-from meshplan.planner.search import Search, candidates
+from meshplan.planner.search import Search
+from meshplan.planner.search_space import candidates
 from meshplan.profiler.presets import preset_profile
 
 from tests.planner_brute import brute_partition, small_cluster, small_model

@@ -13,7 +13,9 @@ from meshplan.planner.memory_reserve import reserve, usable_bytes
 from meshplan.planner.model_sources import builtin_model
 from meshplan.planner.placement import Placer, allowed_cuts, model_graph
 from meshplan.planner.plan import Plan
-from meshplan.planner.search import Scored, Search, _key, _parallel, candidates, find_plan
+from meshplan.planner.search import Scored, Search, find_plan
+from meshplan.planner.search_plan import parallel_config, plan_key
+from meshplan.planner.search_space import candidates
 from meshplan.planner.shared_cores import evaluation_lower_bound
 from meshplan.profiler.presets import preset_profile
 
@@ -66,7 +68,7 @@ def test_search_equals_brute_force(memory_bytes, cluster, blocks, pins):
     best: dict[tuple, float] = {}  # the top k distinct plans (parallel config and placement), as to_plan lists them
     for cand, P, _, sol, t in rows:
         if sol is not None:
-            key = _key(_parallel(search, Scored(cand, P, sol, 0, t)), cand.order)
+            key = plan_key(parallel_config(search, Scored(cand, P, sol, 0, t)), cand.order)
             best[key] = min(best.get(key, math.inf), t)
     keep = 1 + constraints.top_k
     assert [r.time for r in ranked[:keep]] == pytest.approx(sorted(best.values())[:keep], rel=1e-12)
@@ -215,7 +217,7 @@ def test_candidates_of_one_memory_key_share_their_memory_bound():
     from collections import defaultdict
 
     from meshplan.planner.cluster_spec import parse_cluster
-    from meshplan.planner.search import memory_key
+    from meshplan.planner.search_space import memory_key
 
     model, cl = builtin_model("mixtral-8x7b"), parse_cluster("2x8xh100-80gb")
     constraints = Constraints(global_batch_size=32, seq_len=32768)
@@ -339,7 +341,7 @@ def test_every_emittable_candidate_is_one_the_executor_runs():
     from meshplan.planner.constraints import Constraints
     from meshplan.planner.model_sources import builtin_model
     from meshplan.planner.placement import Placer
-    from meshplan.planner.search import candidates
+    from meshplan.planner.search_space import candidates
 
     from tests.helpers import make_plan
 

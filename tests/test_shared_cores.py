@@ -114,7 +114,8 @@ def test_shared_pruning_stays_sound_with_pipeline_costs():
     """Pipeline costs that the simulation does not speed up, and 1F1B's wait moved onto the hops, keep
     bound / speedup below every solved candidate's prediction, and the quick bounds equal the per-layer ones."""
     from meshplan.planner.cost_model import lower_bound
-    from meshplan.planner.search import Search, candidates
+    from meshplan.planner.search import Search
+    from meshplan.planner.search_space import candidates
 
     model, cluster = builtin_model("tiny"), parse_cluster("4xcpu")
     constraints = Constraints(global_batch_size=16, seq_len=64, dtype="fp32", top_k=0, zero=0, recompute="none")
