@@ -243,6 +243,7 @@ def main() -> None:
     for col in ("row", "GPUs", "layout", "published s", "predicted s", "error", "free choice", "free s"):
         table.add_column(col, justify="right")
     errors, start = [], time.perf_counter()
+    by_source: dict[str, list[float]] = {}
     for row in rows:
         model = model_of(row)
         cluster = cluster_of(row)
@@ -263,6 +264,7 @@ def main() -> None:
         if pred is not None and target:
             e = pred / target - 1
             errors.append(e)
+            by_source.setdefault(row["source_key"], []).append(e)
             err = f"{e:+.1%}"
         free, free_s = "", ""
         if not args.no_free:
@@ -279,11 +281,17 @@ def main() -> None:
                       free_s)
     console = Console(width=160)
     console.print(table)
+    if len(by_source) > 1:  # where the errors lean, source by source
+        for key, errs in by_source.items():
+            console.print(f"  {key}: {summary(errs)}")
     if errors:
-        abs_err = [abs(e) for e in errors]
-        console.print(f"median |error| {statistics.median(abs_err):.1%}, worst {max(abs_err):.1%}, "
-                      f"within 15 %: {sum(e <= 0.15 for e in abs_err)}/{len(abs_err)}, mean signed "
-                      f"{statistics.mean(errors):+.1%} ({time.perf_counter() - start:.0f} s)")
+        console.print(f"{summary(errors)} ({time.perf_counter() - start:.0f} s)")
+
+
+def summary(errors: list[float]) -> str:
+    abs_err = [abs(e) for e in errors]
+    return (f"median |error| {statistics.median(abs_err):.1%}, worst {max(abs_err):.1%}, within 15 %: "
+            f"{sum(e <= 0.15 for e in abs_err)}/{len(abs_err)}, mean signed {statistics.mean(errors):+.1%}")
 
 
 if __name__ == "__main__":
