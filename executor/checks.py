@@ -37,9 +37,6 @@ def check_supported(plan: Plan) -> None:
 def _check_moe(plan: Plan) -> None:
     """Mixture of experts: what executor/moe.py and executor/expert_parallel.py run."""
     spec, p = plan.model, plan.parallel
-    if spec.qk_norm and p.tp > 1:
-        raise InputError(f"plan.parallel.tp: the executor does not shard the q/k norms of '{spec.name}' over "
-                         f"tensor-parallel heads; use tp=1")
     if spec.moe is None:
         if p.ep > 1:
             raise InputError(f"plan.parallel.ep: {p.ep} needs a mixture-of-experts model; '{spec.name}' is dense")

@@ -75,7 +75,8 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, e
     """Megatron-style TP with DTensor: q/k/v and w1/w3 column-wise, wo and w2 row-wise; vocab-parallel
     embedding and head (the head's logits stay sharded for `vocab_parallel_loss`); with sequence
     parallel the norms run on sequence shards and every block's input and output is a local tensor
-    sharded on the sequence dim (use_local_output=True). MoE feed-forwards (executor/expert_parallel.py):
+    sharded on the sequence dim (use_local_output=True). Qwen3's q/k norms run on the rank's heads with
+    their weights replicated (gradients summed over TP). MoE feed-forwards (executor/expert_parallel.py):
     with `expert_tp` (plan expert_tp = tp) their experts' width sharded over TP; else, under sequence
     parallelism, run on the rank's sequence shard with parameters replicated over TP (the routed experts
     left to `apply_ep` when `experts_span_tp`), without it replicated."""
@@ -101,6 +102,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, e
             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=seq),
         }
+        if spec.qk_norm:  # Qwen3: one q and one k norm weight for every head; each rank norms its own heads
+            layer_plan.update({"attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                               "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)})
         if not moe:
             layer_plan.update({"feed_forward.w1": ColwiseParallel(),
                                "feed_forward.w2": RowwiseParallel(output_layouts=seq)})

@@ -100,8 +100,8 @@ def hf_model_name(path: str) -> str:
 
 
 def from_hf_config(path: str) -> ModelSpec:
-    """Read a Hugging Face config.json (gpt2, llama, mistral, qwen2, gpt_neox, opt, falcon, starcoder2, phi3, gemma,
-    bloom; MoE: mixtral, qwen2_moe, qwen3_moe) as plain JSON: no download."""
+    """Read a Hugging Face config.json (gpt2, llama, mistral, qwen2, qwen3, gpt_neox, opt, falcon, starcoder2, phi3,
+    gemma, bloom; MoE: mixtral, qwen2_moe, qwen3_moe) as plain JSON: no download."""
     cfg = read_json(path, "MODEL")
     if not isinstance(cfg, dict):
         raise InputError(f"{path}: expected a JSON object")
@@ -125,6 +125,14 @@ def from_hf_config(path: str) -> ModelSpec:
         window = _window(cfg, path) if model_type == "mistral" else 0
         return _llama_spec(cfg, path, name, max_seq_len=2048, qkv_bias=model_type == "qwen2", norm_eps=1e-5,
                            rope_theta=10000.0, sliding_window=window)
+    if model_type == "qwen3":  # Qwen2's block without the q/k/v bias, with an RMSNorm over each head of q and k
+        if cfg.get("use_sliding_window"):
+            raise InputError(f"{path}: field 'use_sliding_window': expected false (Qwen3's window on the layers "
+                             f"from max_window_layers on is not modelled), got true")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise InputError(f"{path}: field 'hidden_act': expected 'silu' (SwiGLU), got {cfg['hidden_act']!r}")
+        return _llama_spec(cfg, path, name, max_seq_len=32768, qkv_bias=False, norm_eps=1e-6, rope_theta=10000.0,
+                           qk_norm=True)
     if model_type in DENSE_READERS:
         return DENSE_READERS[model_type](cfg, path, name)
     if model_type in UNREADABLE_DENSE_TYPES:
@@ -135,7 +143,7 @@ def from_hf_config(path: str) -> ModelSpec:
     if model_type in UNREADABLE_MOE_TYPES:
         raise InputError(f"{path}: model_type {model_type!r} is not supported yet: "
                          f"{UNREADABLE_MOE_TYPES[model_type]}")
-    known = ["gpt2", "llama", "mistral", "qwen2", *DENSE_READERS, *MOE_MODEL_TYPES]
+    known = ["gpt2", "llama", "mistral", "qwen2", "qwen3", *DENSE_READERS, *MOE_MODEL_TYPES]
     raise InputError(f"{path}: field 'model_type': expected one of {', '.join(known)}, got {model_type!r}")
 
 

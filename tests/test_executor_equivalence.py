@@ -51,6 +51,10 @@ PLANS = {  # the issue's eight shapes first, then other schedule x zero x recomp
     # BLOOM's: ALiBi (each TP rank's heads keep their own slopes), the embedding's LayerNorm
     "bloom-pp2xtp2-sp": dict(model="bloom", pp=2, tp=2, sequence_parallel=True, micro_batch_size=2,
                              num_micro_batches=2),
+    # Qwen3's norms over each head of q and k: one weight for all heads, each TP rank norming its own
+    "qwen3-dp2xtp2-sp-zero3": dict(model="qwen3", dp=2, tp=2, zero=3, sequence_parallel=True, micro_batch_size=2,
+                                   num_micro_batches=2),
+    "qwen3-pp2xtp2": dict(model="qwen3", pp=2, tp=2, micro_batch_size=2, num_micro_batches=2),
 }
 
 _TINY_GPT = dict(norm="layernorm", mlp="gelu", linear_bias=True, num_kv_heads=4, layers=())
@@ -61,6 +65,7 @@ MODELS = {  # variants of the tiny model
     "gemma": dict(name="tiny-gemma", mlp="geglu", embedding_scale=True, head_dim=32, tied_embeddings=True, layers=()),
     "window": dict(name="tiny-window", sliding_window=8, layers=()),
     "bloom": dict(_TINY_GPT, name="tiny-bloom", position="alibi", embedding_norm=True, tied_embeddings=True),
+    "qwen3": dict(name="tiny-qwen3", qk_norm=True, layers=()),
 }
 
 

@@ -83,15 +83,23 @@ def _norm_worker(rank: int, world: int, port: int, path: str, out_dir: str) -> N
 
 
 @pytest.mark.slow
-def test_sequence_parallel_gradients_are_reduced_once_before_the_norm_and_the_step(tmp_path):
+@pytest.mark.parametrize("qk_norm,sp", [(False, True), (True, True), (True, False)])
+def test_sequence_parallel_gradients_are_reduced_once_before_the_norm_and_the_step(tmp_path, qk_norm, sp):
     """Sequence parallelism leaves the norms' weight gradients Partial (a sum per sequence shard). The
     executor reduces them before clipping, so its global norm is the single process's, and AdamW never
-    sees a Partial gradient (which it would all-reduce once per op that reads it)."""
+    sees a Partial gradient (which it would all-reduce once per op that reads it). The same for Qwen3's
+    q/k norms, whose one weight each TP rank applies to its own heads (with or without sequence
+    parallelism): left local, each rank's gradient would hold only its heads' share, and the norm differ."""
+    from dataclasses import replace
+
     from meshplan.executor.data import SyntheticData
     from meshplan.executor.model import Transformer, init_weights, loss_fn
+    from meshplan.planner.model_sources import builtin_model
 
-    plan = make_plan(cluster="2xcpu", tp=2, sequence_parallel=True, micro_batch_size=2, num_micro_batches=2)
-    path = str(tmp_path / "tp2-sp.json")
+    plan = make_plan(cluster="2xcpu", tp=2, sequence_parallel=sp, micro_batch_size=2, num_micro_batches=2)
+    if qk_norm:
+        plan.model = replace(builtin_model("tiny"), name="tiny-qwen3", qk_norm=True, layers=())
+    path = str(tmp_path / "tp2.json")
     save_plan(plan, path)
     spawn_ranks(_norm_worker, 2, free_port(), path, str(tmp_path))
     got = json.loads((tmp_path / "norm.json").read_text())
@@ -104,3 +112,58 @@ def test_sequence_parallel_gradients_are_reduced_once_before_the_norm_and_the_st
     want = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
     assert got["stepped"] > 0 and got["partial"] == 0
     assert got["norm"] == pytest.approx(want, rel=1e-5)
+
+
+def _qk_norm_worker(rank: int, world: int, port: int, path: str, out_dir: str) -> None:
+    """One forward_backward of a TP plan of a q/k-normed model; records each rank's q and k norm weight
+    gradients (whole, after the executor's reduction of Partial gradients)."""
+    from meshplan.executor.train import reduce_partial_grads
+    from torch.distributed.tensor import DTensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        trainer = Trainer(load_plan(path), TrainConfig(steps=1, quiet=True), torch.device("cpu"))
+        trainer.forward_backward(0)
+        reduce_partial_grads(trainer.params)
+        grads = {}
+        for name, p in trainer.modules[0].named_parameters():
+            if "q_norm" in name or "k_norm" in name:
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                grads[name] = g.tolist()
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"qk{rank}.json"), "w") as fh:
+        json.dump(grads, fh)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [False, True])
+def test_qk_norm_weights_get_every_heads_gradient_under_tensor_parallelism(tmp_path, sp):
+    """Qwen3's q/k norms share one weight over all heads while each TP rank holds half of them: every rank's
+    weight gradient must be the single process's (the sum over all heads), not its own heads' share."""
+    from dataclasses import replace
+
+    from meshplan.executor.data import SyntheticData
+    from meshplan.executor.model import Transformer, init_weights, loss_fn
+    from meshplan.planner.model_sources import builtin_model
+
+    plan = make_plan(cluster="2xcpu", tp=2, sequence_parallel=sp, micro_batch_size=2, num_micro_batches=1)
+    plan.model = replace(builtin_model("tiny"), name="tiny-qwen3", qk_norm=True, layers=())
+    path = str(tmp_path / "tp2.json")
+    save_plan(plan, path)
+    spawn_ranks(_qk_norm_worker, 2, free_port(), path, str(tmp_path))
+
+    p, cfg = plan.parallel, TrainConfig(steps=1)
+    model = Transformer(plan.model)
+    init_weights(model, cfg.seed)
+    batch = SyntheticData(plan.model.vocab_size, p.seq_len, p.global_batch_size, cfg.seed).batch(0)
+    loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+    want = {n: q.grad for n, q in model.named_parameters() if "q_norm" in n or "k_norm" in n}
+    assert want
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"qk{rank}.json").read_text())
+        assert set(got) == set(want)
+        for name, g in got.items():
+            torch.testing.assert_close(torch.tensor(g), want[name], rtol=1e-5, atol=1e-7, msg=f"rank {rank} {name}")

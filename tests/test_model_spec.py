@@ -68,6 +68,11 @@ HF_CONFIGS = {
     "qwen2": ({"model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
                "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936,
                "max_position_embeddings": 32768, "tie_word_embeddings": True}, 494_032_768),
+    # Qwen/Qwen3-8B: 8,190,735,360 parameters (untied head, no q/k/v bias, a norm over each head of q and k).
+    "qwen3": ({"model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936,
+               "max_position_embeddings": 40960, "rope_theta": 1000000, "tie_word_embeddings": False},
+              8_190_735_360),
     # EleutherAI/gpt-neox-20b: 20,554,567,680 parameters (untied head, biases, two LayerNorms per block).
     "gpt_neox": ({"model_type": "gpt_neox", "hidden_size": 6144, "num_hidden_layers": 44, "num_attention_heads": 64,
                   "intermediate_size": 24576, "vocab_size": 50432, "max_position_embeddings": 2048,
@@ -242,3 +247,12 @@ def test_hf_sliding_windows(tmp_path):
     assert spec.attention_pairs(32768) == 32768 * 4096 - 4096 ** 2 / 2
     with pytest.raises(InputError, match="use_sliding_window"):
         _read(tmp_path, dict(HF_CONFIGS["qwen2"][0], use_sliding_window=True))
+
+
+def test_hf_qwen3_norms_each_head_of_q_and_k(tmp_path):
+    """Qwen3 (dense): the llama block with an RMSNorm over each head of q and k, no q/k/v bias; its per-layer
+    sliding window (use_sliding_window) is refused."""
+    spec = _read(tmp_path, HF_CONFIGS["qwen3"][0])
+    assert (spec.qk_norm, spec.qkv_bias, spec.head_dim, spec.norm_eps, spec.moe) == (True, False, 128, 1e-6, None)
+    with pytest.raises(InputError, match="use_sliding_window"):
+        _read(tmp_path, dict(HF_CONFIGS["qwen3"][0], use_sliding_window=True))
