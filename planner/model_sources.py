@@ -316,6 +316,8 @@ UNREADABLE_MOE_TYPES = {
     "granitemoe": "its scaled embeddings and residuals are not modelled",
     "olmoe": "its per-layer q/k norm over the whole projection is not modelled",
     "phimoe": "its sparse-mixer routing is not modelled",
+    "gpt_oss": "its alternating sliding-window layers, attention sinks and clamped SwiGLU experts with biases are "
+               "not modelled",
 }
 
 

@@ -132,6 +132,8 @@ def test_hf_refuses_what_it_cannot_model_by_name(tmp_path):
         _read(tmp_path, dict(HF_CONFIGS["bloom"][0], apply_residual_connection_post_layernorm=True))
     with pytest.raises(InputError, match="'gemma2' is not supported yet"):
         _read(tmp_path, {"model_type": "gemma2"})
+    with pytest.raises(InputError, match="'gpt_oss' is not supported yet: its alternating sliding-window"):
+        _read(tmp_path, {"model_type": "gpt_oss"})
 
 
 def test_hf_starcoder2_layernorm_gelu_gqa_biases(tmp_path):
