@@ -41,11 +41,16 @@ PLANS = {
     # GPT-NeoX's block: a quarter of each head rotated at its global positions, a parallel residual
     "neox-allgather-cp2xdp2": dict(neox=True, cp_mode="all-gather", cp=2, dp=2, micro_batch_size=1,
                                    num_micro_batches=2),
+    # Qwen3's norms over each head of q and k, on a CP rank's tokens and a TP rank's heads
+    "qwen3-allgather-cp2xtp2-sp": dict(qwen3=True, cp_mode="all-gather", cp=2, tp=2, sequence_parallel=True,
+                                       micro_batch_size=2, num_micro_batches=2),
 }
 
 
-def build(mha: bool = False, neox: bool = False, cp_mode: str = "all-to-all", **kwargs):
+def build(mha: bool = False, neox: bool = False, qwen3: bool = False, cp_mode: str = "all-to-all", **kwargs):
     plan = make_plan(cluster="4xcpu", seq_len=32, cp_mode=cp_mode, **kwargs)
+    if qwen3:
+        plan.model = replace(builtin_model("tiny"), name="tiny-qwen3", qk_norm=True, layers=())
     if mha:
         plan.model = replace(builtin_model("tiny"), name="tiny-mha", num_kv_heads=4, layers=())
     if neox:
