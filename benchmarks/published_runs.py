@@ -80,6 +80,7 @@ SOFTWARE: dict[str, str | dict] = {
     # NeMo 25.04.01 on GB200 NVL72: its performance scripts fuse the cross-entropy with Transformer Engine's
     # kernel (NeMo v2.3.1 scripts/performance/utils.py set_primary_perf_configs)
     "dgxc_benchmarking_gb200": software_settings("megatron") | dict(loss="fused"),
+    "dgxc_benchmarking_2505_h100": software_settings("megatron") | dict(loss="fused"),  # the same recipe on DGX H100
     "dgxc_benchmarking_moe": "megatron",  # Grok-1 (MoE): all-to-all token dispatcher, experts padded to capacity
     "llm_foundry_mpt": dict(attention="flash1", loss="fused", **_NO_COPIES),
     "torchtitan": "torchtitan",

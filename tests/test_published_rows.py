@@ -170,3 +170,24 @@ def test_nemotron4_rows_match_their_published_mfu():
         mfu = lay["global_batch_size"] * m["seq_len"] * per_token / (seconds * row["num_gpus"] * 989e12)
         assert abs(100 * mfu - pub["mfu_pct"]) < 0.35, row["id"]
         assert published_runs.usable(row) and published_runs.software(row)["software"] == "megatron"
+
+
+def test_nemo_2504_llama405b_rows_reduce_bf16_gradients_without_recompute():
+    """dgxc-benchmarking v25.05.05 runs NeMo 25.04's performance recipe for Llama 3.1 405B on GB200 and on H100:
+    pretrain_recipe(performance_mode=True) sets grad_reduce_in_fp32 = False (2-byte gradients, held and reduced)
+    and the recommended configs recompute no layer. Each row's step time reproduces its published tokens/s; the
+    H100 rows are the GB200 rows' recipe at tp 8 on 8-GPU nodes, the FP8 one under delayed scaling."""
+    rows = [r for r in ROWS if r["source_key"] in ("dgxc_benchmarking_gb200", "dgxc_benchmarking_2505_h100")]
+    assert len(rows) == 5
+    for row in rows:
+        lay, pub = row["layout"], row["published"]
+        assert lay["tp"] * lay["pp"] * lay["cp"] * lay["dp"] == row["num_gpus"]
+        assert abs(8192 * lay["global_batch_size"] / pub["iteration_time_s"] / pub["tokens_per_s"] - 1) < 0.002
+        settings = published_runs.software(row)
+        assert settings["grad_bytes"] == 2 and settings["loss"] == "fused" and lay["recompute"] == "none"
+        assert published_runs.usable(row)
+        h100 = row["source_key"] == "dgxc_benchmarking_2505_h100"
+        assert (lay["tp"], row["gpus_per_node"]) == ((8, 8) if h100 else (4, 4))
+    fp8 = [r for r in rows if r.get("fp8")]
+    assert [r["id"] for r in fp8] == ["dgxc2505_llama3.1-405b_512gpu_fp8"]
+    assert published_runs.fp8_recipe(fp8[0]) == "delayed"
