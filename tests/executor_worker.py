@@ -15,8 +15,9 @@ from meshplan.executor.train import TrainConfig, Trainer
 from meshplan.planner.plan import load_plan
 
 
-def main(train=lambda trainer, cfg: trainer.run()) -> None:
-    """Train every plan of SPEC with `train(trainer, cfg)`; rank 0 writes what it returns per plan."""
+def main(train=lambda trainer, cfg: trainer.run(), named: bool = False) -> None:
+    """Train every plan of SPEC with `train(trainer, cfg)` (`train(trainer, cfg, name)` when `named`); rank 0
+    writes what it returns per plan."""
     spec_path, out_path = sys.argv[1], sys.argv[2]
     with open(spec_path) as fh:
         spec = json.load(fh)
@@ -25,7 +26,8 @@ def main(train=lambda trainer, cfg: trainer.run()) -> None:
     for name, path in spec["plans"].items():
         cfg = TrainConfig(steps=spec["steps"], seed=spec["seed"], quiet=True)
         try:
-            out[name] = train(Trainer(load_plan(path), cfg, torch.device("cpu")), cfg)
+            trainer = Trainer(load_plan(path), cfg, torch.device("cpu"))
+            out[name] = train(trainer, cfg, name) if named else train(trainer, cfg)
         except Exception as exc:  # report and go on with the next plan (all ranks fail alike)
             traceback.print_exc()
             out[name] = f"error: {type(exc).__name__}: {exc}"

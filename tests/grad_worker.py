@@ -34,8 +34,7 @@ def main() -> None:
     from tests.executor_worker import main as serve
 
     out_dir = os.path.dirname(os.path.abspath(sys.argv[2]))
-    names = iter(__import__("json").load(open(sys.argv[1]))["plans"])
-    serve(lambda trainer, cfg: gradients(trainer, out_dir, next(names)))
+    serve(lambda trainer, cfg, name: gradients(trainer, out_dir, name), named=True)
 
 
 if __name__ == "__main__":
