@@ -55,6 +55,8 @@ PLANS = {  # the issue's eight shapes first, then other schedule x zero x recomp
     "qwen3-dp2xtp2-sp-zero3": dict(model="qwen3", dp=2, tp=2, zero=3, sequence_parallel=True, micro_batch_size=2,
                                    num_micro_batches=2),
     "qwen3-pp2xtp2": dict(model="qwen3", pp=2, tp=2, micro_batch_size=2, num_micro_batches=2),
+    "qwen3-pp2-zbv-v2xtp2-sp": dict(model="qwen3", pp=2, tp=2, virtual_stages=2, schedule="zero-bubble",
+                                    sequence_parallel=True, micro_batch_size=2, num_micro_batches=4),
 }
 
 _TINY_GPT = dict(norm="layernorm", mlp="gelu", linear_bias=True, num_kv_heads=4, layers=())
