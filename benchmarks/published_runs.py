@@ -77,10 +77,11 @@ SOFTWARE: dict[str, str | dict] = {
     # optimizer, BF16
     "nemotron4_2024": "megatron",
     "dgxc_benchmarking_fp8": "megatron",  # the same recipes' FP8 tables (Transformer Engine, delayed scaling)
-    # NeMo 25.04.01 on GB200 NVL72: its performance scripts fuse the cross-entropy with Transformer Engine's
-    # kernel (NeMo v2.3.1 scripts/performance/utils.py set_primary_perf_configs)
-    "dgxc_benchmarking_gb200": software_settings("megatron") | dict(loss="fused"),
-    "dgxc_benchmarking_2505_h100": software_settings("megatron") | dict(loss="fused"),  # the same recipe on DGX H100
+    # NeMo 25.04.01's performance scripts on GB200 NVL72 and on DGX H100: NeMo 2's performance recipes, bf16
+    # gradients and Transformer Engine's fused cross-entropy (NeMo v2.3.1 scripts/performance/utils.py
+    # set_primary_perf_configs; profiler/software.py)
+    "dgxc_benchmarking_gb200": "megatron-bridge",
+    "dgxc_benchmarking_2505_h100": "megatron-bridge",
     "dgxc_benchmarking_moe": "megatron",  # Grok-1 (MoE): all-to-all token dispatcher, experts padded to capacity
     "llm_foundry_mpt": dict(attention="flash1", loss="fused", **_NO_COPIES),
     "torchtitan": "torchtitan",

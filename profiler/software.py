@@ -59,8 +59,7 @@ from __future__ import annotations
 
 from meshplan.planner.errors import InputError
 
-_MEGATRON_CORE = dict(activations="sharded", fsdp_copies=False, loss="megatron",
-                      fp8_params=True)
+_MEGATRON_CORE = dict(activations="sharded", fsdp_copies=False, loss="megatron", fp8_params=True)
 _MEGATRON_2022 = dict(attention="unfused", activations="sharded", grad_overlap=False, fsdp_copies=False,
                       loss="megatron")
 
