@@ -258,3 +258,5 @@ def test_hf_qwen3_norms_each_head_of_q_and_k(tmp_path):
     assert (spec.qk_norm, spec.qkv_bias, spec.head_dim, spec.norm_eps, spec.moe) == (True, False, 128, 1e-6, None)
     with pytest.raises(InputError, match="use_sliding_window"):
         _read(tmp_path, dict(HF_CONFIGS["qwen3"][0], use_sliding_window=True))
+    with pytest.raises(InputError, match="field 'hidden_act': expected 'silu'"):
+        _read(tmp_path, dict(HF_CONFIGS["qwen3"][0], hidden_act="gelu"))
