@@ -238,9 +238,15 @@ def usable(row: dict) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", nargs="*", default=list(DEFAULT_SOURCES), help="source_key values of the rows")
+    ap.add_argument("--row", nargs="*", help="only these row ids (of the sources given)")
     ap.add_argument("--no-free", action="store_true", help="skip the planner's free choice (faster)")
+    ap.add_argument("--gpu", metavar="PRESET", help="cost the rows on this device preset instead, 8 per node, "
+                    "against the same published times: compares two presets on one run (e.g. b200-180gb)")
     args = ap.parse_args()
-    rows = [r for r in json.loads(ROWS.read_text())["rows"] if r["source_key"] in args.source and usable(r)]
+    rows = [r for r in json.loads(ROWS.read_text())["rows"] if r["source_key"] in args.source and usable(r)
+            and (not args.row or r["id"] in args.row)]
+    if args.gpu:
+        rows = [{**r, "gpu": args.gpu, "gpus_per_node": 8} for r in rows]
     table = Table(title=f"predicted vs published ({len(rows)} rows, preset profiles)")
     for col in ("row", "GPUs", "layout", "published s", "predicted s", "error", "free choice", "free s"):
         table.add_column(col, justify="right")

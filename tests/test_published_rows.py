@@ -176,9 +176,10 @@ def test_nemo_2504_llama405b_rows_reduce_bf16_gradients_without_recompute():
     """dgxc-benchmarking v25.05.05 runs NeMo 25.04's performance recipe for Llama 3.1 405B on GB200 and on H100:
     pretrain_recipe(performance_mode=True) sets grad_reduce_in_fp32 = False (2-byte gradients, held and reduced)
     and the recommended configs recompute no layer. Each row's step time reproduces its published tokens/s; the
-    H100 rows are the GB200 rows' recipe at tp 8 on 8-GPU nodes, the FP8 one under delayed scaling."""
+    H100 rows are the GB200 rows' recipe at tp 8 on 8-GPU nodes; the FP8 ones (launch.sh's default DTYPE) run
+    delayed scaling with FP8 parameters."""
     rows = [r for r in ROWS if r["source_key"] in ("dgxc_benchmarking_gb200", "dgxc_benchmarking_2505_h100")]
-    assert len(rows) == 5
+    assert len(rows) == 8
     for row in rows:
         lay, pub = row["layout"], row["published"]
         assert lay["tp"] * lay["pp"] * lay["cp"] * lay["dp"] == row["num_gpus"]
@@ -189,5 +190,7 @@ def test_nemo_2504_llama405b_rows_reduce_bf16_gradients_without_recompute():
         h100 = row["source_key"] == "dgxc_benchmarking_2505_h100"
         assert (lay["tp"], row["gpus_per_node"]) == ((8, 8) if h100 else (4, 4))
     fp8 = [r for r in rows if r.get("fp8")]
-    assert [r["id"] for r in fp8] == ["dgxc2505_llama3.1-405b_512gpu_fp8"]
-    assert published_runs.fp8_recipe(fp8[0]) == "delayed"
+    assert [r["id"] for r in fp8] == [f"dgxc2505_llama3.1-405b_{n}gb200_fp8" for n in (128, 256, 512)] + [
+        "dgxc2505_llama3.1-405b_512gpu_fp8"]
+    for row in fp8:
+        assert published_runs.fp8_recipe(row) == "delayed" and published_runs.software(row)["fp8_params"]
