@@ -27,6 +27,7 @@ from meshplan.planner.model_sources import builtin_model
 from meshplan.planner.model_spec import ModelSpec, MoESpec
 from meshplan.planner.search import find_plan
 from meshplan.profiler.presets import preset_profile
+from meshplan.profiler.software import SOFTWARE as ENGINES
 from meshplan.profiler.software import engine_limits, software_settings
 from rich.console import Console
 from rich.table import Table
@@ -102,6 +103,15 @@ SOFTWARE: dict[str, str | dict] = {
 
 
 
+# `--software NAME`: every row costed as that engine runs it instead of its own (a user who does not say)
+SOFTWARE_OVERRIDE: str | None = None
+
+
+def named_software(row: dict) -> str | dict:
+    """The row's software: a name of profiler/software.py, or settings of its own."""
+    return SOFTWARE_OVERRIDE or SOFTWARE.get(row["source_key"], {})
+
+
 # Context parallelism as each source ran it: Llama 3 all-gathers K and V before attention ("our CP
 # implementation is all-gather based", arXiv:2407.21783 §3.3.2).
 CP_MODE = {"llama3_herd_2024": "all-gather"}
@@ -132,7 +142,7 @@ def software(row: dict) -> dict:
     # llm-foundry's PURE FSDP and NeMo's grad_sync_dtype bf16 (dgxc) keep and reduce gradients in bf16
     pure = "PURE" in (row["layout"].get("dtype") or "") or row["layout"].get("grad_dtype") == "bf16"
     selective = row["layout"].get("selective_ac")  # torchtitan's selective AC policy (profiler/roofline.py)
-    named = SOFTWARE.get(row["source_key"], {})
+    named = named_software(row)
     dtype = "fp16" if row["layout"].get("dtype") == "fp16" else "bf16"
     base = software_settings(named, dtype) if isinstance(named, str) else named
     torch_ddp = row["layout"].get("ddp_impl") == "torch"  # SC'21 below 39B: torch's DDP, overlapped buckets
@@ -207,7 +217,7 @@ def constraints_of(row: dict, pinned: bool) -> Constraints:
                     dtype="fp16" if lay.get("dtype") == "fp16" else "bf16")
     # the free choice, and what a pinned row does not publish (schedule, ZeRO, recompute), keep to what the
     # row's software runs
-    named = SOFTWARE.get(row["source_key"], {})
+    named = named_software(row)
     engine = named if isinstance(named, str) else named.get("software")  # settings made from a named one
     c = replace(c, **engine_limits(engine)) if engine else c
     if "moe_imbalance" in lay:  # how unevenly the source's router loads the experts: the workload's, not a layout's
@@ -242,7 +252,12 @@ def main() -> None:
     ap.add_argument("--no-free", action="store_true", help="skip the planner's free choice (faster)")
     ap.add_argument("--gpu", metavar="PRESET", help="cost the rows on this device preset instead, 8 per node, "
                     "against the same published times: compares two presets on one run (e.g. b200-180gb)")
+    ap.add_argument("--software", choices=list(ENGINES), help="cost every row as this engine runs it (meshplan: the "
+                    "planner's default) instead of the software it ran")
     args = ap.parse_args()
+    if args.software:
+        global SOFTWARE_OVERRIDE
+        SOFTWARE_OVERRIDE = args.software
     rows = [r for r in json.loads(ROWS.read_text())["rows"] if r["source_key"] in args.source and usable(r)
             and (not args.row or r["id"] in args.row)]
     if args.gpu:

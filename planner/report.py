@@ -76,9 +76,13 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
         console.print(line)
     s = plan.search
     per = s.seconds / s.candidates * 1e6 if s.candidates else 0.0
-    costed = f"; costed as {s.software} runs it" if s.software else ""  # GPU presets (plan --software)
     console.print(f"search: {s.candidates} candidates ({per:.0f} us each), {s.feasible} solved feasible, "
-                  f"{s.seconds:.2f} s,\n  solver {s.solver}{costed}")
+                  f"{s.seconds:.2f} s,\n  solver {s.solver}")
+    if s.software == "meshplan":  # GPU presets' default: say how to cost another engine's run
+        console.print("  costed as meshplan's executor runs it; for another engine's run:\n"
+                      "  --software megatron, megatron-bridge or torchtitan")
+    elif s.software:  # plan --software
+        console.print(f"  costed as {s.software} runs it")
 
 
 def exposed_lines(exposed: dict[str, float], iteration: float) -> list:

@@ -126,6 +126,11 @@ def test_software_sets_what_presets_charge(capsys, tmp_path):
         assert code == 0
         times[software] = json.loads(out)["predicted"]["iteration_time_s"]
     assert times["megatron-2022"] > times["meshplan"]
+    # the report names the software it costed; the default says how to cost another engine's run
+    code, out, _ = run(capsys, *pinned[:-1])
+    assert code == 0 and "costed as meshplan's executor runs it" in out and "--software megatron" in out
+    code, out, _ = run(capsys, *pinned[:-1], "--software", "megatron-2022")
+    assert code == 0 and "costed as megatron-2022 runs it" in out and "another engine" not in out
     code, _, err = run(capsys, "tiny", "--cluster", "2xcpu", "--software", "megatron")
     assert code == 0 and "--software megatron applies to GPU presets" in err
 

@@ -194,3 +194,20 @@ def test_nemo_2504_llama405b_rows_reduce_bf16_gradients_without_recompute():
         "dgxc2505_llama3.1-405b_512gpu_fp8"]
     for row in fp8:
         assert published_runs.fp8_recipe(row) == "delayed" and published_runs.software(row)["fp8_params"]
+
+
+def test_software_and_gpu_options_recost_the_same_rows(monkeypatch, capsys):
+    """--software costs every row as that engine runs it (meshplan: what `plan` charges by default), --gpu on
+    another device preset; --row picks rows. MT-NLG under the executor's software: no blocking transfers."""
+    row = next(r for r in ROWS if r["id"] == "mtnlg530b_2240gpu")
+    assert published_runs.software(row)["p2p"] == "blocking"
+    monkeypatch.setattr(sys, "argv", ["published_runs.py", "--source", "mt_nlg_2022", "--row", "mtnlg530b_2240gpu",
+                                      "--no-free", "--software", "meshplan", "--gpu", "a100-40gb"])
+    try:
+        published_runs.main()
+        assert published_runs.named_software(row) == "meshplan"
+        assert "p2p" not in published_runs.software(row)
+    finally:
+        published_runs.SOFTWARE_OVERRIDE = None
+    out = capsys.readouterr().out
+    assert "mtnlg530b_2240gpu" in out and "mtnlg530b_2800gpu" not in out and "within 15 %" in out
