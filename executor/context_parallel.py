@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from meshplan.executor.collectives import ALL_GATHER, ALL_GATHER_AUTOGRAD, wait
+from meshplan.executor.regather import Gathered, regathering, storage_of
 from meshplan.planner.errors import InputError
 from meshplan.planner.plan import Plan
 from torch.distributed.device_mesh import DeviceMesh
@@ -128,33 +130,6 @@ class UlyssesAttention:
         return _heads_to_seq(core(q, k, v), self.cp, self.group)
 
 
-class _Gathered:
-    """The local chunk of K or V in place of the gathered tensor that backward needs: gathered again once,
-    at the first saved view that backward unpacks, and shared by the others (both query chunks' views)
-    until the last of them is released."""
-
-    __slots__ = ("local", "full")
-
-    def __init__(self, local: torch.Tensor):
-        self.local, self.full = local, None
-
-
-class _Regathered:
-    """A saved tensor that was a view of the gathered K or V: its source and the view's geometry."""
-
-    __slots__ = ("source", "size", "stride", "offset")
-
-    def __init__(self, source: _Gathered, view: torch.Tensor):
-        self.source, self.size, self.stride, self.offset = source, view.size(), view.stride(), view.storage_offset()
-
-
-def _storage(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # tensors without storage: never a gathered K or V
-        return -1
-
-
 class AllGatherAttention:
     """The attention core under all-gather CP: `__call__(core, q, k, v)` with q, k, v [b, heads, s/cp, d]
     (this rank's head-tail chunks c and 2·cp − 1 − c) gathers k and v over cp, puts them in sequence
@@ -200,22 +175,12 @@ class AllGatherAttention:
 
         if not (self.regather and torch.is_grad_enabled()):
             return attend()
-        sources = {_storage(kf): _Gathered(k.detach()), _storage(vf): _Gathered(v.detach())}
+        sources = {storage_of(kf): Gathered(k.detach()), storage_of(vf): Gathered(v.detach())}
 
-        def pack(t: torch.Tensor):
-            source = sources.get(_storage(t))
-            return t if source is None else _Regathered(source, t)
+        def counted() -> None:
+            self.regathers += 1
 
-        def unpack(saved):
-            if not isinstance(saved, _Regathered):
-                return saved
-            source = saved.source
-            if source.full is None:
-                self.regathers += 1
-                source.full = self._full(source.local, autograd=False)
-            return source.full.as_strided(saved.size, saved.stride, saved.offset)
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with regathering(sources, partial(self._full, autograd=False), counted):
             return attend()
 
 

@@ -130,6 +130,27 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
+class _Gated(torch.autograd.Function):
+    """act(a) · b keeping only a and b for backward, where autograd would also keep act(a) and the product's
+    other factor: backward computes act(a) again (Megatron-Core's fused SwiGLU/GeGLU save their input only,
+    megatron/core/fusions/fused_bias_swiglu.py). The product is w2's input, which w2 keeps."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, act) -> torch.Tensor:
+        ctx.act = act
+        ctx.save_for_backward(a, b)
+        return act(a) * b
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, b = ctx.saved_tensors
+        with torch.enable_grad():
+            a = a.detach().requires_grad_(True)
+            gate = ctx.act(a)
+        (grad_a,) = torch.autograd.grad(gate, a, grad * b)
+        return grad_a, grad * gate.detach(), None
+
+
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -141,7 +162,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is not None:
-            return self.w2(self.act(self.w1(x)) * self.w3(x))
+            return self.w2(_Gated.apply(self.w1(x), self.w3(x), self.act))
         return self.w2(self.act(self.w1(x)))
 
 

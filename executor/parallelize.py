@@ -7,12 +7,14 @@ FULL initial value of each parameter, so every plan starts from the same model.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 
 import torch
 import torch.nn as nn
+from meshplan.executor.collectives import ALL_GATHER, wait
 from meshplan.executor.expert_parallel import (
     is_moe_block,
     moe_tp_plan,
@@ -21,6 +23,7 @@ from meshplan.executor.expert_parallel import (
     shard_experts_over_tp,
 )
 from meshplan.executor.model import Transformer, init_value, loss_fn
+from meshplan.executor.regather import Gathered, is_paused, paused, regathering, storage_of, whole
 from meshplan.planner.model_spec import splits_vocab
 from meshplan.planner.plan import ParallelConfig
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -120,6 +123,10 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, e
             layer_plan.pop("feed_forward", None)
             layer_plan.update(moe_tp_plan(block, sequence_parallel, expert_tp))
         parallelize_module(block, tp_mesh, layer_plan)
+        if sequence_parallel:
+            keep_input_shard(block.attention, tp_mesh)
+            if not moe:
+                keep_input_shard(block.feed_forward, tp_mesh)
         if moe and expert_tp:
             shard_experts_over_tp(block.feed_forward, tp_mesh, sequence_parallel)
         elif moe and sequence_parallel:
@@ -134,17 +141,72 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, e
             head_plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1))
         if head_plan:
             parallelize_module(model.head, tp_mesh, head_plan)
+        if sequence_parallel:
+            keep_input_shard(model.head.output, tp_mesh)
     if tied:  # both sides were sharded Shard(0) over the vocabulary: share one parameter again
         model.head.output.weight = model.embedding.tok.weight
 
 
 def checkpointed_block(block: nn.Module) -> nn.Module:
     """Full recompute of one block: only its input is kept; the profiler times the same wrapper. All-gather
-    CP inside it keeps nothing of the gathered K and V either: the recompute gathers them again."""
+    CP and sequence-parallel inputs inside it keep nothing gathered either: the recompute gathers again."""
     cp_attention = getattr(getattr(block, "attention", None), "cp_attention", None)
     if hasattr(cp_attention, "regather"):
         cp_attention.regather = False
-    return checkpoint_wrapper(block, preserve_rng_state=False)
+    return checkpoint_wrapper(block, preserve_rng_state=False, context_fn=lambda: (paused(), paused()))
+
+
+def keep_input_shard(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Sequence parallelism as Megatron-LM holds it (Korthikanti et al. 2022, Eq. 5): `module` gets its
+    input as this rank's sequence shard and all-gathers it for its column-parallel Linears (its forward
+    pre-hook from apply_tp); what they save of the gathered input for backward is kept as the shard and
+    gathered again there (executor/regather.py): 1/tp of that memory for one more all-gather in backward.
+    That gather starts when the gradient of the module's output arrives, asynchronously, so that it runs
+    behind the backward of the module's last layers (attention: the output projection and the core; MLP:
+    w2 and the activation) and is waited for where the Linears need it, as Megatron-LM runs its gather
+    behind the input-gradient GEMM."""
+    group = tp_mesh.get_group()
+    module.regathers = module.prefetched = 0  # gathers backward made, and those started early (tests)
+    module.sources = weakref.WeakSet()  # the shards standing in for gathered inputs, while alive (tests)
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        return wait(ALL_GATHER(t.contiguous(), 1, group))
+
+    def counted() -> None:
+        module.regathers += 1
+
+    def capture(mod: nn.Module, args: tuple) -> None:  # before the gathering pre-hook
+        mod._input_shard = args[0] if args else None
+
+    module.register_forward_pre_hook(capture, prepend=True)
+    forward = module.forward
+
+    def forward_keeping_shard(*args, **kwargs):
+        shard, module._input_shard = module._input_shard, None
+        full = args[0] if args else None
+        local = full._local_tensor if isinstance(full, DTensor) else full
+        if shard is None or local is None or is_paused() or not torch.is_grad_enabled() or not whole(local):
+            return forward(*args, **kwargs)
+        shard = shard._local_tensor if isinstance(shard, DTensor) else shard
+        source = Gathered(shard.detach())
+        module.sources.add(source)
+        with regathering({storage_of(local): source}, gather, counted):
+            out = forward(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            # weakly: the hook lives as long as the graph, the gathered input only until its last saved view
+            # is released
+            source_ref = weakref.ref(source)
+
+            def prefetch(grad: torch.Tensor) -> None:
+                source = source_ref()
+                if source is not None and source.full is None:  # not waited here: regathering's unpack waits
+                    counted()
+                    module.prefetched += 1
+                    source.full = ALL_GATHER(source.local.contiguous(), 1, group)
+            out.register_hook(prefetch)
+        return out
+
+    module.forward = forward_keeping_shard
 
 
 def recompute_attention_core(block: nn.Module, on: bool = True) -> None:

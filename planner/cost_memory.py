@@ -120,10 +120,21 @@ def loss_grad_16bit(profile) -> bool:
     return r is not None and r.loss in ("fused", "megatron")
 
 
+def regathered_input(profile, model: ModelSpec, cand: Candidate, s: int, dtype: str) -> float:
+    """Bytes of one Linear input gathered again in backward under sequence parallelism (the executor,
+    executor/parallelize.keep_input_shard, and Megatron-LM's gather buffer: profiler/roofline activations
+    "sharded"): a rank's b·(s/cp)·h, alive beside the first backward's other transients."""
+    r = getattr(profile, "roofline", None)
+    if cand.tp <= 1 or (r is not None and not (r.sequence_parallel and r.activations == "sharded")):
+        return 0.0
+    return cand.b * (s // cand.cp) * model.hidden_size * DTYPE_BYTES[dtype]
+
+
 def step_transients(model: ModelSpec, cand: Candidate, s: int, dtype: str,
-                    rank: list[int], loss_grad_16bit: bool = False) -> Workspace:
+                    rank: list[int], loss_grad_16bit: bool = False, regathered: float = 0.0) -> Workspace:
     """The Workspace of `cand` with stage k on pipeline rank rank[k] (executor/train.py's step); with
-    `loss_grad_16bit` the loss backward allocates only the logits' 16-bit gradient."""
+    `loss_grad_16bit` the loss backward allocates only the logits' 16-bit gradient; `regathered`: the
+    bytes of an input gathered again at each rank's first backward (`regathered_input`)."""
     tp, pp, S = cand.tp, cand.pp, cand.num_stages
     dp = cand.dp * cand.cp  # FSDP shards over dp x cp
     shards = dp if cand.zero >= 1 and dp > 1 else 1  # AdamW steps FSDP's shards
@@ -133,7 +144,7 @@ def step_transients(model: ModelSpec, cand: Candidate, s: int, dtype: str,
     grad = DTYPE_BYTES[dtype] if dp > 1 else 4.0
     tied_one = model.tied_embeddings and S == 1
     accumulating = cand.m > 1
-    act, emb, opt = [0.0] * pp, [0.0] * pp, [0.0] * pp
+    act, emb, opt = [regathered] * pp, [0.0] * pp, [0.0] * pp
     logits = cand.b * (s // cand.cp) * vocab_shard(model, tp) * 4.0  # a CP rank's logits: its s/cp tokens
     if loss_grad_16bit:  # its backward writes only the logits' gradient, in the compute dtype
         grad_logits = logits * DTYPE_BYTES[dtype] / 4.0

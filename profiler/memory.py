@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from meshplan.executor.regather import observed
 from meshplan.planner.model_spec import ModelSpec
 from meshplan.profiler.layers import TORCH_DTYPES, build_case, forward
 from meshplan.profiler.profile import MemorySample, StateSample
@@ -58,7 +59,8 @@ def saved_bytes(fn: Callable[[SavedTensorCounter], torch.Tensor], params: list[t
     """Run fn (a forward) under the counting hook; returns the counter and fn's output (kept alive so
     that what it saved is still alive when counted)."""
     counter = SavedTensorCounter(ignore={p.untyped_storage().data_ptr() for p in params})
-    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+    # the executor's own saved-tensor hooks (sequence-parallel inputs kept as shards) report what they keep
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), observed(counter.add):
         out = fn(counter)
     return counter, out
 

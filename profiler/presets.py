@@ -20,7 +20,7 @@ ADAM_BYTES_PER_PARAM = 36.0
 CLIP_BYTES_PER_PARAM = 12.0
 
 
-def device_roofline(cluster: ClusterSpec, dtype: str, attention: str = "flash", activations: str = "gathered",
+def device_roofline(cluster: ClusterSpec, dtype: str, attention: str = "flash", activations: str = "sharded",
                     grad_overlap: bool = True, sequence_parallel: bool = True, grad_bytes: int = 4,
                     grad_reduce: str = "reduce_scatter", grad_accum_bytes: float = 0.0,
                     selective: str = "attention", fsdp_copies: bool = True, loss: str = "fp32",

@@ -404,13 +404,14 @@ class Profile:
         sequence_parallel = sequence_parallel and (r is None or r.sequence_parallel)
         analytic = layer_activation_bytes(self.model, kind, b, s, tp, self.dtype, recompute, sequence_parallel,
                                           unfused_attention=r is not None and r.attention == "unfused",
-                                          sharded_inputs=r is not None and r.activations == "sharded",
+                                          sharded_inputs=r is None or r.activations == "sharded",
                                           selective=r.selective if r is not None else "attention",
                                           fused_loss=r is not None and r.loss == "fused",
                                           fp8=r is not None and r.fp8 != "none")
+        # the samples measured the executor's layers, which keep their Linear inputs sharded
         ratios = [m.activation_bytes / a for m in self.memory if m.kind == kind and m.recompute == recompute
                   for a in [layer_activation_bytes(self.model, kind, m.micro_batch_size, m.seq_len, m.tp,
-                                                   self.dtype, recompute)] if a > 0]
+                                                   self.dtype, recompute, sharded_inputs=True)] if a > 0]
         return analytic * (sum(ratios) / len(ratios) if ratios else 1.0)
 
     def collective_time(self, op: str, nbytes: float, n: int, link_class: str) -> float:

@@ -124,14 +124,18 @@ class Roofline:
     launch_s: float  # floor per kernel
     # The training software, for presets: the executor's by default. "unfused": Megatron-LM 2021-22,
     # softmax and dropout materialised. activations "sharded": with sequence parallelism a column-parallel
-    # Linear keeps its input's sequence shard and gathers it again in backward (Megatron-LM, Korthikanti
-    # et al. 2022 Eq. 5); "gathered": it keeps the gathered input (torch's SequenceParallel, the executor).
+    # Linear keeps its input's sequence shard and gathers it again in backward, behind other backward work
+    # (Megatron-LM, Korthikanti et al. 2022 Eq. 5: behind the input-gradient GEMM; the executor,
+    # executor/parallelize.keep_input_shard: behind the module's last layers), and a gated MLP keeps its
+    # activation's inputs only (Megatron-Core's fused SwiGLU, the executor's model._Gated); "gathered": the
+    # Linear keeps the gathered input, the gated MLP its activation's output too (torch's SequenceParallel
+    # as torchtitan runs it).
     # grad_overlap False: the data-parallel reduction starts after the whole backward (Megatron-LM's local
     # DDP of 2021-22), else bucket by bucket during it.
     # sequence_parallel False: norms and dropout run on the whole sequence on every TP rank (Megatron-LM
     # before Korthikanti et al. 2022); the executor always shards them when tp > 1.
     attention: str = "flash"
-    activations: str = "gathered"
+    activations: str = "sharded"
     grad_overlap: bool = True
     sequence_parallel: bool = True
     dtype_bytes: int = 2

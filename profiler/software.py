@@ -8,8 +8,11 @@ or papers, not fitted values:
   those tensors); Megatron-Core runs Transformer Engine's fused attention, torchtitan and the executor
   torch's flash SDPA.
 - activations: Megatron-LM keeps sequence-parallel activations as shards and gathers them again in
-  backward (Korthikanti et al. 2022 Eq. 5); torch's SequenceParallel (torchtitan, the executor) keeps the
-  gathered input of the column-parallel Linears. Sequence parallelism came with Korthikanti et al. 2022.
+  backward behind the input-gradient GEMM (Korthikanti et al. 2022 Eq. 5), and Megatron-Core's fused
+  SwiGLU keeps its input only; the executor keeps the same, its gather in backward started when the
+  module's output gradient arrives (executor/parallelize.keep_input_shard); torch's SequenceParallel as
+  torchtitan runs it keeps the gathered input of the column-parallel Linears. Sequence parallelism came
+  with Korthikanti et al. 2022.
 - gradient reduction: Megatron-LM's local DDP of 2021-22 all-reduces after the whole backward (SC'21's
   artifact examples/sc21/run_table_1.sh runs DDP=local from 39B up, torch's overlapping DDP below it;
   --overlap-grad-reduce came in 2023), as does
@@ -66,8 +69,9 @@ _MEGATRON_2022 = dict(attention="unfused", activations="sharded", grad_overlap=F
 SOFTWARE: dict[str, dict] = {
     # meshplan's executor (executor/): the preset model's defaults
     "meshplan": {},
-    # torchtitan: the executor's stack (FSDP2, DTensor TP, flash SDPA); its selective AC is the per-op policy
-    "torchtitan": dict(selective="every-second-mm"),
+    # torchtitan: the executor's stack (FSDP2, DTensor TP, flash SDPA) without its sharded Linear inputs; its
+    # selective AC is the per-op policy
+    "torchtitan": dict(selective="every-second-mm", activations="gathered"),
     # Megatron-Core (2023-): fused attention, shards kept, reduction overlapped, accumulation fused
     "megatron": _MEGATRON_CORE,
     # Megatron-Bridge's (NeMo 2's) performance recipes: Megatron-Core with gradients held and reduced in bf16

@@ -1,6 +1,7 @@
 """Cost-model terms against hand-computed values."""
 
 import math
+from dataclasses import replace
 
 import pytest
 from meshplan.planner.candidate import Candidate, Links
@@ -94,14 +95,16 @@ def test_memory_terms_by_hand():
     bounds = [0, 9, 17, 25, 34]
     ev = evaluate(P, bounds, [0, 0, 0, 0])
     block = model.layers[1].params
-    # rank 1: 8 blocks, 18 B/param (fp32 gradients), 3 micro-batches in flight (1F1B, pp=4)
+    # rank 1: 8 blocks, 18 B/param (fp32 gradients), and the larger of 3 micro-batches in flight (1F1B, pp=4)
+    # and the foreach AdamW step's sqrt(v), 4 B per parameter, once the activations are freed
     act = profile.activation_bytes("block", 1, 2048, 1, "none", False)
-    assert ev.rank_memory[1] == pytest.approx(8 * block * 18 + 3 * 8 * act)
+    assert ev.rank_memory[1] == pytest.approx(8 * block * 18 + max(3 * 8 * act, 8 * block * 4))
     # llama3-8b's block in bf16 (profiler.analytic), per token: two RMSNorm inputs (+ fp32 rstd) and outputs,
-    # q, k, v (GQA: 8 of 32 heads) and the output, SwiGLU's four f-wide tensors, fp32 log-sum-exp; + rotary tables
+    # q, k, v (GQA: 8 of 32 heads) and the output, SwiGLU's three f-wide tensors (its fused gate keeps its
+    # inputs), fp32 log-sum-exp; + rotary tables
     h, f, s = model.hidden_size, model.ffn_hidden_size, 2048
     kv = model.num_kv_heads * model.head_dim
-    per_token = 2 * (2 * h + 4 + 2 * h) + 2 * (h + 2 * kv + h) + 2 * 4 * f + 4 * model.num_heads
+    per_token = 2 * (2 * h + 4 + 2 * h) + 2 * (h + 2 * kv + h) + 2 * 3 * f + 4 * model.num_heads
     assert act == pytest.approx(s * per_token + 4 * s * model.head_dim // 2 * 4)
     # rank 0 holds the embedding (untied) and 4 in-flight micro-batches
     emb = model.layers[0]
@@ -423,6 +426,27 @@ def test_step_transients_by_hand():
     assert ws.per_layer == [4.0 * layer.params / 4 for layer in model.layers]
     assert ws.opt == [0.0, 4.0 * table / 4]
 
+
+def test_regathered_input_by_hand():
+    """Sequence parallelism that keeps Linear inputs as shards gathers one again at each rank's first backward
+    (executor/parallelize.keep_input_shard; Megatron-LM's gather buffer): b·(s/cp)·h in the compute dtype,
+    on every pipeline rank's activation moment; none for torch's plain SequenceParallel, which keeps them
+    gathered, nor without tensor parallelism."""
+    from meshplan.planner.cost_memory import regathered_input, step_transients
+    from meshplan.profiler.software import software_settings
+
+    model, cluster = builtin_model("llama3-8b"), parse_cluster("8xh100-80gb")
+    cand = Candidate(dp=1, tp=4, pp=2, v=1, schedule="1f1b", b=2, m=4, zero=0, recompute="none", cp=1)
+    gathered = 2 * 8192 * model.hidden_size * 2
+    for software, expected in (("meshplan", gathered), ("megatron", gathered), ("torchtitan", 0.0)):
+        profile = preset_profile(model, cluster, **software_settings(software))
+        assert regathered_input(profile, model, cand, 8192, "bf16") == expected, software
+    profile = preset_profile(model, cluster)
+    assert regathered_input(profile, model, replace(cand, tp=1, dp=4), 8192, "bf16") == 0.0
+    assert regathered_input(profile, model, replace(cand, cp=2, dp=1, pp=1), 8192, "bf16") == gathered / 2
+    base = step_transients(model, cand, 8192, "bf16", [0, 1])
+    with_gather = step_transients(model, cand, 8192, "bf16", [0, 1], regathered=gathered)
+    assert [a - b for a, b in zip(with_gather.act, base.act)] == [gathered, gathered]
 
 def test_in_situ_factor_takes_the_units_from_the_model():
     """The measured reduction is compared with the link fit over the cut model's units, counted from the

@@ -116,11 +116,12 @@ def cpu_rms_norm_extra(spec: ModelSpec, kind: str, b: int, s: int, B: int, recom
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_analytic_block_counts_what_the_executors_block_saves(spec, dtype, t, recompute):
     """The formula the presets use (profiler.analytic) against the saved-tensor count of the executor's
-    block with the default SDPA kernel (flash on CPU): no s² term, SwiGLU's four f-wide tensors, GQA's
-    narrower k and v. The 1 % covers CPU's 16-bit LayerNorm statistics (the formula counts fp32)."""
+    block with the default SDPA kernel (flash on CPU): no s² term, a gated MLP's three f-wide tensors (its
+    fused gate keeps its inputs only), GQA's narrower k and v. The 1 % covers CPU's 16-bit LayerNorm
+    statistics (the formula counts fp32)."""
     b, s, B = 2, 64, DTYPE_BYTES[dtype]
     m = measure_activations(spec, "block", b, s, t, dtype, CPU, recompute)
-    analytic = layer_activation_bytes(spec, "block", b, s, t, dtype, recompute)
+    analytic = layer_activation_bytes(spec, "block", b, s, t, dtype, recompute, sharded_inputs=True)
     assert m.activation_bytes == pytest.approx(analytic + cpu_rms_norm_extra(spec, "block", b, s, B, recompute),
                                                rel=0.01)
 
@@ -204,18 +205,22 @@ def _sequence_parallel_worker(rank: int, world: int, port: int, out_dir: str) ->
 
 
 @pytest.mark.slow
-def test_analytic_sequence_parallel_counts_pytorchs_gathered_norm_outputs(tmp_path):
+def test_analytic_sequence_parallel_counts_the_executors_sharded_norm_outputs(tmp_path):
     """The executor's own TP + sequence parallelism on 2 gloo ranks (profiler.layers.build_tp_case runs
     executor.parallelize.apply_tp and its vocabulary-parallel loss): the norms keep their sequence shard,
-    but the q/k/v and w1/w3 Linears keep the all-gathered whole sequence, unlike Megatron-LM's sequence
-    parallelism (Korthikanti Eq. 5); the head keeps the log-softmax of its vocabulary shard."""
+    and so do the q/k/v and w1/w3 Linears and the head's output Linear for their all-gathered inputs, as
+    in Megatron-LM's sequence parallelism (Korthikanti Eq. 5); the head keeps the log-softmax of its
+    vocabulary shard."""
     spawn_ranks(_sequence_parallel_worker, 2, free_port(), str(tmp_path))
     specs = {"gpt2": GPT_SMALL, "llama": LLAMA_SMALL}
     for line in (tmp_path / "saved.txt").read_text().split("\n"):
         name, kind, measured = line.split()
         spec = specs[name]
-        analytic = layer_activation_bytes(spec, kind, 2, 64, 2, "bf16", "none", sequence_parallel=True)
+        analytic = layer_activation_bytes(spec, kind, 2, 64, 2, "bf16", "none", sequence_parallel=True,
+                                          sharded_inputs=True)
         extra = cpu_rms_norm_extra(spec, kind, 2, 64, 2, "none") / 2  # the norms run on a sequence shard
         assert float(measured) == pytest.approx(analytic + extra, rel=0.01), line
-        gathered = 2 * 64 * spec.hidden_size * 2 * (2 if kind == "block" else 1)  # norm outputs, whole sequence
-        assert analytic > gathered
+        whole = layer_activation_bytes(spec, kind, 2, 64, 2, "bf16", "none", sequence_parallel=True)
+        shards = 2 * 64 * spec.hidden_size * 2 / 2 * (2 if kind == "block" else 1)  # norm outputs kept / tp
+        gated = 2 * 64 * spec.ffn_hidden_size // 2 * 2 if kind == "block" and spec.gated_mlp else 0
+        assert whole - analytic == pytest.approx(shards + gated)
