@@ -20,7 +20,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from meshplan.planner.cluster_spec import LinkSpec, parse_cluster
+from meshplan.planner.cluster_spec import DEVICE_PRESETS, LinkSpec, parse_cluster
 from meshplan.planner.constraints import Constraints
 from meshplan.planner.errors import InfeasibleError, InputError
 from meshplan.planner.model_sources import builtin_model
@@ -103,13 +103,10 @@ SOFTWARE: dict[str, str | dict] = {
 
 
 
-# `--software NAME`: every row costed as that engine runs it instead of its own (a user who does not say)
-SOFTWARE_OVERRIDE: str | None = None
-
-
 def named_software(row: dict) -> str | dict:
-    """The row's software: a name of profiler/software.py, or settings of its own."""
-    return SOFTWARE_OVERRIDE or SOFTWARE.get(row["source_key"], {})
+    """The row's software: a name of profiler/software.py, or settings of its own; `costed_as` (set by
+    `--software NAME`): that engine instead of the source's, as a user who does not say gets it."""
+    return row.get("costed_as") or SOFTWARE.get(row["source_key"], {})
 
 
 # Context parallelism as each source ran it: Llama 3 all-gathers K and V before attention ("our CP
@@ -250,18 +247,18 @@ def main() -> None:
     ap.add_argument("--source", nargs="*", default=list(DEFAULT_SOURCES), help="source_key values of the rows")
     ap.add_argument("--row", nargs="*", help="only these row ids (of the sources given)")
     ap.add_argument("--no-free", action="store_true", help="skip the planner's free choice (faster)")
-    ap.add_argument("--gpu", metavar="PRESET", help="cost the rows on this device preset instead, 8 per node, "
+    gpus = [d for d in DEVICE_PRESETS if d != "cpu"]
+    ap.add_argument("--gpu", choices=gpus, help="cost the rows on this device preset instead, 8 per node, "
                     "against the same published times: compares two presets on one run (e.g. b200-180gb)")
     ap.add_argument("--software", choices=list(ENGINES), help="cost every row as this engine runs it (meshplan: the "
                     "planner's default) instead of the software it ran")
     args = ap.parse_args()
-    if args.software:
-        global SOFTWARE_OVERRIDE
-        SOFTWARE_OVERRIDE = args.software
     rows = [r for r in json.loads(ROWS.read_text())["rows"] if r["source_key"] in args.source and usable(r)
             and (not args.row or r["id"] in args.row)]
     if args.gpu:
         rows = [{**r, "gpu": args.gpu, "gpus_per_node": 8} for r in rows]
+    if args.software:
+        rows = [{**r, "costed_as": args.software} for r in rows]
     table = Table(title=f"predicted vs published ({len(rows)} rows, preset profiles)")
     for col in ("row", "GPUs", "layout", "published s", "predicted s", "error", "free choice", "free s"):
         table.add_column(col, justify="right")

@@ -35,7 +35,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from meshplan.executor.collectives import ALL_GATHER, ALL_GATHER_AUTOGRAD, wait
-from meshplan.executor.regather import Gathered, regathering, storage_of
+from meshplan.executor.regather import Gathered, is_paused, regathering, storage_of
 from meshplan.planner.errors import InputError
 from meshplan.planner.plan import Plan
 from torch.distributed.device_mesh import DeviceMesh
@@ -140,8 +140,8 @@ class AllGatherAttention:
     What the core saves of the gathered K and V for backward (under selective recompute: the checkpoint's
     inputs) is kept as the local chunk and gathered again, once per layer, when backward needs it
     (saved-tensor hooks), as Transformer Engine does (it saves the local k, v and gathers in backward):
-    activations hold s/cp tokens of K and V, not s. `regather` False: the block is checkpointed whole (full
-    recompute), whose recompute gathers again anyway."""
+    activations hold s/cp tokens of K and V, not s. Not in a block checkpointed whole (full recompute,
+    `regather.paused`), whose recompute gathers again anyway."""
 
     def __init__(self, cp_mesh: DeviceMesh, seq_len: int):
         self.cp = cp_mesh.size()
@@ -153,7 +153,6 @@ class AllGatherAttention:
         # made here, once: a CausalBias cannot be created under a TorchDispatchMode (the executor's CPU
         # memory probe)
         self.masks = tuple(causal_lower_right(n, end) for end in self.ends)
-        self.regather = True
         self.regathers = 0  # gathers backward made (tests)
 
     def _full(self, x: torch.Tensor, autograd: bool = True) -> torch.Tensor:
@@ -173,7 +172,7 @@ class AllGatherAttention:
                                    is_causal=False) for i, (end, mask) in enumerate(zip(self.ends, self.masks))],
                              dim=2)
 
-        if not (self.regather and torch.is_grad_enabled()):
+        if is_paused() or not torch.is_grad_enabled():
             return attend()
         sources = {storage_of(kf): Gathered(k.detach()), storage_of(vf): Gathered(v.detach())}
 
@@ -204,23 +203,17 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, mode: str, seq_len: int) -> 
     if cp == 1:
         return
     positions = chunk_positions(seq_len, cp, cp_mesh.get_local_rank(), mode)
-    # all-gather: one wrapper per block, whose full recompute (executor/parallelize.checkpointed_block) turns
-    # its regathering off; the other modes share one
     if mode == "all-gather":
-        def wrapper():
-            return AllGatherAttention(cp_mesh, seq_len)
+        shared = AllGatherAttention(cp_mesh, seq_len)
     else:
         shared = UlyssesAttention(cp_mesh) if mode == "all-to-all" else RingAttention()
-
-        def wrapper():
-            return shared
     embedding = getattr(model, "embedding", None)
     if embedding is not None:
         embedding.positions = positions
     for block in model.blocks.values():
         attention = block.attention
         attention.positions = positions
-        attention.cp_attention = wrapper()
+        attention.cp_attention = shared
 
 
 def shard_sequence(x: torch.Tensor, y: torch.Tensor, seq_len: int, cp: int, cp_rank: int, mode: str

@@ -14,7 +14,7 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-from meshplan.executor.collectives import ALL_GATHER, wait
+from meshplan.executor.collectives import ALL_GATHER
 from meshplan.executor.expert_parallel import (
     is_moe_block,
     moe_tp_plan,
@@ -149,10 +149,8 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, e
 
 def checkpointed_block(block: nn.Module) -> nn.Module:
     """Full recompute of one block: only its input is kept; the profiler times the same wrapper. All-gather
-    CP and sequence-parallel inputs inside it keep nothing gathered either: the recompute gathers again."""
-    cp_attention = getattr(getattr(block, "attention", None), "cp_attention", None)
-    if hasattr(cp_attention, "regather"):
-        cp_attention.regather = False
+    CP and sequence-parallel inputs inside it keep nothing gathered either (`regather.paused`, in its forward
+    and its recompute): the recompute gathers again."""
     return checkpoint_wrapper(block, preserve_rng_state=False, context_fn=lambda: (paused(), paused()))
 
 
@@ -169,8 +167,8 @@ def keep_input_shard(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     module.regathers = module.prefetched = 0  # gathers backward made, and those started early (tests)
     module.sources = weakref.WeakSet()  # the shards standing in for gathered inputs, while alive (tests)
 
-    def gather(t: torch.Tensor) -> torch.Tensor:
-        return wait(ALL_GATHER(t.contiguous(), 1, group))
+    def gather(t: torch.Tensor) -> torch.Tensor:  # asynchronous: regathering's unpack waits
+        return ALL_GATHER(t.contiguous(), 1, group)
 
     def counted() -> None:
         module.regathers += 1
@@ -199,10 +197,10 @@ def keep_input_shard(module: nn.Module, tp_mesh: DeviceMesh) -> None:
 
             def prefetch(grad: torch.Tensor) -> None:
                 source = source_ref()
-                if source is not None and source.full is None:  # not waited here: regathering's unpack waits
+                if source is not None and source.full is None:
                     counted()
                     module.prefetched += 1
-                    source.full = ALL_GATHER(source.local.contiguous(), 1, group)
+                    source.full = gather(source.local)
             out.register_hook(prefetch)
         return out
 

@@ -93,7 +93,8 @@ def observed(keep: Callable[[torch.Tensor], None]) -> Iterator[None]:
 def regathering(sources: dict[int, Gathered], gather: Callable[[torch.Tensor], torch.Tensor],
                 on_gather: Callable[[], None] | None = None) -> Iterator[None]:
     """Saved-tensor hooks for the forward that uses the gathered tensors of `sources` (keyed by their
-    storage): `gather(local)` rebuilds one, without autograd, when backward first needs it."""
+    storage): `gather(local)` rebuilds one, without autograd, when backward first needs it (it may return
+    the gather still in flight: unpack waits, as for one started earlier)."""
 
     def pack(t: torch.Tensor):
         local = t._local_tensor if isinstance(t, DTensor) else t

@@ -7,6 +7,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
@@ -203,11 +205,18 @@ def test_software_and_gpu_options_recost_the_same_rows(monkeypatch, capsys):
     assert published_runs.software(row)["p2p"] == "blocking"
     monkeypatch.setattr(sys, "argv", ["published_runs.py", "--source", "mt_nlg_2022", "--row", "mtnlg530b_2240gpu",
                                       "--no-free", "--software", "meshplan", "--gpu", "a100-40gb"])
-    try:
-        published_runs.main()
-        assert published_runs.named_software(row) == "meshplan"
-        assert "p2p" not in published_runs.software(row)
-    finally:
-        published_runs.SOFTWARE_OVERRIDE = None
+    costed: list[tuple[dict, dict]] = []  # each row main costs, and the settings it costs it with
+    software = published_runs.software
+    monkeypatch.setattr(published_runs, "software", lambda r: costed.append((r, software(r))) or costed[-1][1])
+    published_runs.main()
+    assert costed and all(r["id"] == row["id"] and r["gpu"] == "a100-40gb" for r, _ in costed)
+    for r, settings in costed:
+        assert published_runs.named_software(r) == "meshplan"
+        assert "p2p" not in settings
     out = capsys.readouterr().out
     assert "mtnlg530b_2240gpu" in out and "mtnlg530b_2800gpu" not in out and "within 15 %" in out
+    for bad in (["--gpu", "h100"], ["--software", "deepspeed"]):  # argparse's one-line error, exit 2
+        monkeypatch.setattr(sys, "argv", ["published_runs.py", "--no-free", *bad])
+        with pytest.raises(SystemExit) as exit_:
+            published_runs.main()
+        assert exit_.value.code == 2 and f"argument {bad[0]}: invalid choice" in capsys.readouterr().err
