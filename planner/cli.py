@@ -24,12 +24,12 @@ subcommands:
   Run `plan SUBCOMMAND --help` for each one's options.
 
 MODEL:   a built-in name (gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama2-7b, llama2-13b, llama2-70b,
-         llama3.2-1b, llama3-8b, llama3-70b, gpt3-175b, gpt-20m, tiny; mixture of experts:
+         llama3.2-1b, llama3-8b, llama3-70b, llama3.1-405b, gpt3-175b, gpt-20m, tiny; mixture of experts:
          mixtral-8x7b, mixtral-8x22b, qwen3-30b-a3b, tiny-moe), a Hugging Face config.json path
          (gpt2, llama, mistral, qwen2, qwen3, gpt_neox, opt, falcon, starcoder2, phi3, gemma, bloom;
          mixtral, qwen2_moe, qwen3_moe), or package.module:factory returning an nn.Module.
 CLUSTER: GxTYPE or NxGxTYPE with TYPE one of a100-40gb, a100-80gb, h100-80gb, h200-141gb,
-         b200-180gb, gb200-186gb (NVL72: 72-GPU NVLink domains, e.g. 18x4xgb200-186gb; other counts
+         b200-180gb, b300-288gb, gb200-186gb (NVL72: 72-GPU NVLink domains, e.g. 18x4xgb200-186gb; other counts
          spread over the fewest racks, e.g. 32x4: 2 racks of 64), cpu;
          Nxcpu (N processes on this host); local (this machine as it is); or a YAML/JSON cluster file
          (`base: 2x8xh100-80gb` plus any field to override, e.g. topology: {nodes_per_leaf: 16,

@@ -165,6 +165,9 @@ FA2_A100 = _fa((88, 119, 140, 156, 165, 171), (99, 133, 155, 173, 182, 189))
 FA2_H100 = _fa((141, 192, 232, 257, 273, 284), (163, 221, 265, 294, 308, 328))
 FA2_B200_DERIVED = _fa((141, 192, 232, 257, 273, 284), (163, 221, 265, 294, 308, 328), scale=1745.0 / 794.5)
 FA2_GB200_DERIVED = _fa((141, 192, 232, 257, 273, 284), (163, 221, 265, 294, 308, 328), scale=1822.0 / 794.5)
+# B300 (Blackwell Ultra) doubles the SFU's exponentials ("Inside NVIDIA Blackwell Ultra", NVIDIA technical blog,
+# 2025-08), which softmax spends; no attention kernel rate is published for it: scaled by MAMF as B200's.
+FA2_B300_DERIVED = _fa((141, 192, 232, 257, 273, 284), (163, 221, 265, 294, 308, 328), scale=1769.0 / 794.5)
 # FlashAttention-1 rates by device preset (H200: H100's die, as for FlashAttention-2); none for B200/GB200
 FLASH1_PRESETS = {"a100-40gb": FA1_A100, "a100-80gb": FA1_A100, "h100-80gb": FA1_H100, "h200-141gb": FA1_H100}
 # - memory_efficiency: BabelStream Triad over the datasheet bandwidth (docs/sources/hardware_constants_2.md):
@@ -217,10 +220,10 @@ def _gpu(name: str, mem: int, peak: dict[str, float], hbm: float, mamf: float, s
 
 
 # - FP8 (float8_e4m3fn) tensor cores: dense peak (H100/H200 SXM datasheets 1,979 TFLOP/s, B200 4,500, GB200
-#   5,000; the "Theory" column of the table below) and MAMF with its shape (stas00/ml-engineering
+#   5,000, B300 4,500; the "Theory" column of the table below) and MAMF with its shape (stas00/ml-engineering
 #   compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS", FP8 table): H100 SXM 1402.6 at
 #   1024x9216x14336, H200 SXM 1453.4 at 1280x4096x12032, B200 3432.5 at 15360x4096x3072, GB200 3615.6 at
-#   19456x5120x1536. A100 has no FP8 tensor cores.
+#   19456x5120x1536, B300 3353.3 at 3072x6144x7168. A100 has no FP8 tensor cores.
 _A100 = {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12}
 _H100 = {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12}
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
@@ -240,6 +243,12 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
     "gb200-186gb": _gpu("gb200-186gb", 186 * 1000**3,
                         {"fp32": 80e12, "bf16": 2500e12, "fp16": 2500e12, "fp8": 5000e12}, 8e12,
                         1822.0 / 2500, 148, FA2_GB200_DERIVED, 4.18 / 4.8, fp8=(3615.6 / 5000, 1536)),
+    # HGX/DGX B300 (Blackwell Ultra): dense BF16 2,250 and FP8 4,500 TFLOP/s, FP32 80, 288 GB HBM3e at 8 TB/s
+    # (ml-engineering compute/accelerator/README.md tables, from the DGX B300 datasheet); MAMF 1769.0 at
+    # 12288x18432x1024 (ml-engineering, BF16 table); 160 SMs ("Inside NVIDIA Blackwell Ultra"); HBM share as B200.
+    "b300-288gb": _gpu("b300-288gb", 288 * 1000**3,
+                       {"fp32": 80e12, "bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12}, 8e12,
+                       1769.0 / 2250, 160, FA2_B300_DERIVED, 4.18 / 4.8, fp8=(3353.3 / 4500, 7168)),
     # A CPU "device" is one process; its memory is this host's RAM shared by the processes of a node
     # (set in parse_cluster). FLOP/s: a nominal few-core AVX2 figure; the profiler measures the real one.
     "cpu": DeviceSpec("cpu", "cpu", 16 * GiB, {"fp32": 1e11, "bf16": 2e10, "fp16": 1e10}, efficiency=0.3,
@@ -281,12 +290,19 @@ B200_BUSBW = _curve((1.20, 2.17, 4.86, 9.54, 18.71, 36.06, 63.09, 76.48, 126.49,
                      646.11, 688.99, 723.34, 734.97, 740.64, 839.07, 845.67))
 _HDR = LinkSpec(25e9, _NET_LAT, 24 / 25)
 _NDR = LinkSpec(50e9, _NET_LAT, 47 / 50)
+# XDR 800 Gb/s = 100 GB/s per GPU (DGX B300: eight ConnectX-8, "up to 800Gb/s", DGX B300 datasheet; the DGX
+# SuperPOD B300 reference architecture's XDR InfiniBand). No nccl-tests figure at 800 Gb/s is published: NDR's
+# share of the line rate is taken.
+_XDR = LinkSpec(100e9, _NET_LAT, 47 / 50)
 LINK_PRESETS: dict[str, tuple[LinkSpec, LinkSpec]] = {  # (intra-node, inter-node)
     "a100-40gb": (LinkSpec(300e9, _NVLINK_LAT, 234.89 / 300, A100_BUSBW), _HDR),
     "a100-80gb": (LinkSpec(300e9, _NVLINK_LAT, 234.89 / 300, A100_BUSBW), _HDR),
     "h100-80gb": (LinkSpec(450e9, _NVLINK_LAT, 367.2 / 450, H200_BUSBW, nvls_min_ranks=5), _NDR),
     "h200-141gb": (LinkSpec(450e9, _NVLINK_LAT, 367.2 / 450, H200_BUSBW, nvls_min_ranks=5), _NDR),
     "b200-180gb": (LinkSpec(900e9, _NVLINK_LAT, 682.2 / 900, B200_BUSBW, nvls_min_ranks=6), _NDR),
+    # B300: the same NVLink5 / NVSwitch generation as B200 (1.8 TB/s per GPU, both directions); no B300 busbw
+    # curve is published: B200's.
+    "b300-288gb": (LinkSpec(900e9, _NVLINK_LAT, 682.2 / 900, B200_BUSBW, nvls_min_ranks=6), _XDR),
     # NVL72: NVLink5 across the rack; ring all-reduce busbw 680 GB/s (NVIDIA GTC slide cited in
     # ml-engineering network/README.md L957); one ConnectX-7 400 Gb/s per GPU (DGX GB200 user guide).
     "gb200-186gb": (LinkSpec(900e9, _NVLINK_LAT, 680 / 900), _NDR),
@@ -294,11 +310,11 @@ LINK_PRESETS: dict[str, tuple[LinkSpec, LinkSpec]] = {  # (intra-node, inter-nod
     "cpu": (LinkSpec(2e9, 50e-6), LinkSpec(1e9, 100e-6)),
 }
 # Scalable units of NVIDIA's DGX SuperPOD reference architectures (a non-blocking, rail-optimised fat tree):
-# 20 DGX A100 per SU, 32 DGX H100/H200/B200 per SU.
+# 20 DGX A100 per SU, 32 DGX H100/H200/B200 per SU, 64 DGX B300 per SU (its busbar RA; 72 in the PSU one).
 TOPOLOGY_PRESETS: dict[str, Topology] = {
     "a100-40gb": Topology(nodes_per_leaf=20), "a100-80gb": Topology(nodes_per_leaf=20),
     "h100-80gb": Topology(nodes_per_leaf=32), "h200-141gb": Topology(nodes_per_leaf=32),
-    "b200-180gb": Topology(nodes_per_leaf=32), "cpu": Topology(),
+    "b200-180gb": Topology(nodes_per_leaf=32), "b300-288gb": Topology(nodes_per_leaf=64), "cpu": Topology(),
     # 18 compute trays of 4 GPUs in one NVLink domain; the DGX GB200 SuperPOD SU is 8 racks (576 GPUs).
     "gb200-186gb": Topology(nvlink_domain=72, nodes_per_leaf=144),
 }
@@ -399,6 +415,19 @@ def spread_domain(world: int, domain: int, devices_per_node: int) -> int:
     return share if world % racks == 0 and share % devices_per_node == 0 else domain
 
 
+def gpu_preset_type(name: str, total_memory: int) -> str | None:
+    """The device preset of a GPU by its CUDA name (GB200 before B200: its name contains both); None for
+    another GPU."""
+    title = name.upper()
+    for tag, preset in (("GB200", "gb200-186gb"), ("B300", "b300-288gb"), ("B200", "b200-180gb"),
+                        ("H200", "h200-141gb"), ("H100", "h100-80gb")):
+        if tag in title:
+            return preset
+    if "A100" in title:
+        return "a100-80gb" if total_memory / GiB > 50 else "a100-40gb"
+    return None
+
+
 def local_cluster() -> ClusterSpec:
     """This machine as it is: its CUDA devices if any, else one CPU process."""
     import torch
@@ -406,20 +435,7 @@ def local_cluster() -> ClusterSpec:
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
         props = torch.cuda.get_device_properties(0)
-        gib = props.total_memory / GiB
-        title = props.name.upper()
-        if "GB200" in title:
-            dtype = "gb200-186gb"
-        elif "B200" in title:
-            dtype = "b200-180gb"
-        elif "H200" in title:
-            dtype = "h200-141gb"
-        elif "H100" in title:
-            dtype = "h100-80gb"
-        elif "A100" in title:
-            dtype = "a100-80gb" if gib > 50 else "a100-40gb"
-        else:
-            dtype = "a100-80gb"
+        dtype = gpu_preset_type(props.name, props.total_memory) or "a100-80gb"
         base = preset_cluster(1, count, dtype, name="local")
         device = replace(base.device, type=props.name, memory_bytes=props.total_memory)
         return replace(base, device=device)

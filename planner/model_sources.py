@@ -38,6 +38,10 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
                       num_kv_heads=8, ffn_hidden_size=14336, max_seq_len=8192, rope_theta=500000.0),
     "llama3-70b": dict(_LLAMA, vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64,
                        num_kv_heads=8, ffn_hidden_size=28672, max_seq_len=8192, rope_theta=500000.0),
+    # meta-llama/Llama-3.1-405B config.json: 405,853,388,800 parameters (its safetensors index: 811,706,777,600
+    # bytes in bf16); 126 layers, 8 key/value heads, 128K positions (pre-trained at 8K: pass --seq-len)
+    "llama3.1-405b": dict(_LLAMA, vocab_size=128256, hidden_size=16384, num_layers=126, num_heads=128,
+                          num_kv_heads=8, ffn_hidden_size=53248, max_seq_len=131072, rope_theta=500000.0),
     # meta-llama/Llama-3.2-1B config.json: 1,235,814,400 parameters, tied embeddings (the GPU check's model)
     "llama3.2-1b": dict(_LLAMA, vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32,
                         num_kv_heads=8, ffn_hidden_size=8192, max_seq_len=131072, rope_theta=500000.0,

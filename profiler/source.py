@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 
 import torch
-from meshplan.planner.cluster_spec import ClusterSpec
+from meshplan.planner.cluster_spec import ClusterSpec, gpu_preset_type
 from meshplan.planner.model_spec import ModelSpec
 from meshplan.profiler.analytic import layer_forward_flops
 from meshplan.profiler.presets import preset_profile
@@ -29,20 +29,6 @@ AUTO_PROFILE_ENV = "MESHPLAN_AUTO_PROFILE"
 # shared host: tiny (5.0e7) always, gpt-20m (2.25e10) while there are no more ranks than cores, gpt2
 # (5.8e11) never (`plan profile gpt2 ...` measures it when asked).
 AUTO_PROFILE_MAX_FLOPS = 3e10
-
-
-def gpu_preset_type(name: str, total_memory: int) -> str:
-    """The cluster preset a local GPU corresponds to (same rules as planner.cluster_spec.local_cluster)."""
-    title = name.upper()
-    if "B200" in title:
-        return "b200-180gb"
-    if "H200" in title:
-        return "h200-141gb"
-    if "H100" in title:
-        return "h100-80gb"
-    if "A100" in title:
-        return "a100-80gb" if total_memory / 1024**3 > 50 else "a100-40gb"
-    return name
 
 
 def local_device(cluster: ClusterSpec) -> tuple[str, int] | None:

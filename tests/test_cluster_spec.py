@@ -110,6 +110,31 @@ def test_b200_preset():
     assert c.intra_node.bus_Bps == pytest.approx(682.2e9) and c.inter_node.bus_Bps == pytest.approx(47e9)
 
 
+def test_b300_preset():
+    """DGX B300 figures: B200's dense BF16/FP8 peaks with 288 GB, 160 SMs, XDR 800 Gb/s NICs, SUs of 64 nodes;
+    B300's measured MAMF (1769.0) and FP8 MAMF (3353.3)."""
+    c = parse_cluster("2x8xb300-288gb")
+    d = c.device
+    assert d.peak_flops["bf16"] == 2250e12 and d.peak_flops["fp8"] == 4500e12 and d.memory_bytes == 288 * 1000**3
+    assert d.peak_flops["bf16"] * d.efficiency == pytest.approx(1769.0e12) and d.sm_count == 160
+    assert d.peak_flops["fp8"] * d.fp8_efficiency == pytest.approx(3353.3e12)
+    assert c.intra_node.bus_Bps == pytest.approx(682.2e9) and c.inter_node.bandwidth_Bps == 100e9
+    assert c.topology.nodes_per_leaf == 64
+
+
+def test_gpu_names_map_to_presets():
+    """A local GPU's CUDA name picks its preset, one rule for the planner's `local` and the profiler (GB200's
+    name contains B200's)."""
+    from meshplan.planner.cluster_spec import gpu_preset_type
+
+    for name, memory, preset in (("NVIDIA GB200", 186e9, "gb200-186gb"), ("NVIDIA B200", 180e9, "b200-180gb"),
+                                 ("NVIDIA B300 SXM6 AC", 288e9, "b300-288gb"), ("NVIDIA H200", 141e9, "h200-141gb"),
+                                 ("NVIDIA H100 80GB HBM3", 80e9, "h100-80gb"),
+                                 ("NVIDIA A100-SXM4-40GB", 40 * 2**30, "a100-40gb"),
+                                 ("NVIDIA A100-SXM4-80GB", 80 * 2**30, "a100-80gb"), ("NVIDIA L4", 24e9, None)):
+        assert gpu_preset_type(name, int(memory)) == preset, name
+
+
 def test_gb200_jobs_spread_over_the_fewest_racks():
     """GB200 comes in NVL72 racks: a job of 128 GPUs takes 64 in each of 2 racks (NVIDIA's DGX Cloud recipes run
     128, 256 and 512), 72 one whole rack, 8 a part of one; a count no rack split gives in whole trays is refused

@@ -215,8 +215,10 @@ def test_software_and_gpu_options_recost_the_same_rows(monkeypatch, capsys):
         assert "p2p" not in settings
     out = capsys.readouterr().out
     assert "mtnlg530b_2240gpu" in out and "mtnlg530b_2800gpu" not in out and "within 15 %" in out
-    for bad in (["--gpu", "h100"], ["--software", "deepspeed"]):  # argparse's one-line error, exit 2
-        monkeypatch.setattr(sys, "argv", ["published_runs.py", "--no-free", *bad])
+    for bad, said in ((["--gpu", "h100"], "invalid choice"), (["--software", "deepspeed"], "invalid choice"),
+                      (["--row", "mtnlg530b_2240"], "no usable row mtnlg530b_2240 in --source"),
+                      (["--row", "mtnlg530b_2240gpu", "--source", "megatron_sc21"], "no usable row")):
+        monkeypatch.setattr(sys, "argv", ["published_runs.py", "--no-free", *bad])  # argparse's one-line error
         with pytest.raises(SystemExit) as exit_:
             published_runs.main()
-        assert exit_.value.code == 2 and f"argument {bad[0]}: invalid choice" in capsys.readouterr().err
+        assert exit_.value.code == 2 and f"argument {bad[0]}: {said}" in capsys.readouterr().err
