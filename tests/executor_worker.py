@@ -39,9 +39,10 @@ def main(train=lambda trainer, cfg: trainer.run(), named: bool = False) -> None:
 
 
 
-def reference_losses(plan_path: str, steps: int, seed: int, tokens=None) -> list[float]:
+def reference_steps(plan_path: str, steps: int, seed: int, tokens=None) -> list[tuple[float, float]]:
     """A plain single-process PyTorch loop over the full model and the same global batches: what every
-    plan must reproduce. `tokens`: a TokenFile-like source instead of the synthetic stream."""
+    plan must reproduce, as (loss, gradient norm before clipping) per step. `tokens`: a TokenFile-like
+    source instead of the synthetic stream."""
     from meshplan.executor.data import SyntheticData
     from meshplan.executor.model import Transformer, init_weights, loss_fn
     from meshplan.executor.train import lr_multiplier, make_optimizer
@@ -53,19 +54,22 @@ def reference_losses(plan_path: str, steps: int, seed: int, tokens=None) -> list
     init_weights(model, seed)
     opt = make_optimizer(model, cfg)
     data = tokens or SyntheticData(plan.model.vocab_size, p.seq_len, p.global_batch_size, seed)
-    losses = []
+    out = []
     for step in range(steps):
         batch = data.batch(step)
         loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         for group in opt.param_groups:
             group["lr"] = cfg.lr * lr_multiplier(step, cfg)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
+        out.append((loss.item(), float(norm)))
+    return out
 
+
+def reference_losses(plan_path: str, steps: int, seed: int, tokens=None) -> list[float]:
+    return [loss for loss, _ in reference_steps(plan_path, steps, seed, tokens)]
 
 
 def repo_root() -> str:

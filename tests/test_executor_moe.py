@@ -8,9 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from tests.executor_worker import run_plans
+from tests.executor_worker import reference_steps, run_plans
 from tests.helpers import make_plan
-from tests.moe_worker import reference
 
 STEPS, SEED = 4, 5
 
@@ -93,7 +92,7 @@ def test_expert_parallel_matches_single_process(results, name):
     losses, paths = results
     got = losses[name]
     assert isinstance(got, list), got
-    want = reference(paths[name], STEPS, SEED)
+    want = reference_steps(paths[name], STEPS, SEED)
     assert len(got) == STEPS
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, want), 1):
         assert loss == pytest.approx(ref_loss, rel=1e-4), f"{name} step {step}: loss {loss} vs 1-process {ref_loss}"
