@@ -97,7 +97,7 @@ def main_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp8", choices=FP8_CHOICES,
                    help="FP8 Linears inside bf16 training, as Transformer Engine runs them (Megatron-Core, NeMo): "
                         "delayed or current (per-tensor) scaling; GPU presets with FP8 tensor cores (H100, H200, "
-                        "B200, GB200); costed as Megatron-Core runs it unless --software says otherwise. The "
+                        "B200, B300, GB200); costed as Megatron-Core runs it unless --software says otherwise. The "
                         "executor does not run FP8: export the plan (default: off)")
     g.add_argument("--software", choices=list(SOFTWARE),
                    help="the training software GPU presets charge and the search keeps to (default: a preset "
