@@ -202,6 +202,9 @@ def run_main(argv: Sequence[str]) -> int:
         note = preset_note(profile, cluster, args.model, args.cluster, constraints.dtype, args.seq_len)
         if note:
             print(note, file=sys.stderr, flush=True)
+    if args.seq_len is None and plan.parallel.seq_len > LONG_DEFAULT_SEQ:  # the config's maximum, e.g. 128K
+        print(f"plan: seq {plan.parallel.seq_len} is {args.model}'s maximum, the default; --seq-len S plans the "
+              f"length you train at", file=sys.stderr, flush=True)
     if args.software not in (None, "meshplan", file_software) \
             and (args.profile or getattr(profile, "roofline", None) is None):
         what = (f"{args.profile} as it is" if args.profile else "CPU presets" if profile.source == "preset"
@@ -219,6 +222,11 @@ def run_main(argv: Sequence[str]) -> int:
         if args.pareto:
             print(f"time vs memory of {len(considered)} candidates written to {args.pareto}")
     return 0
+
+
+# A default sequence longer than this (a long-context model's maximum) is pointed out: pretraining runs
+# shorter ones (Llama 3: 8K, then long-context stages).
+LONG_DEFAULT_SEQ = 8192
 
 
 class DelayedProgress:

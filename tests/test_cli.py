@@ -250,3 +250,15 @@ def test_sliding_window_keeps_context_parallelism_out(capsys, tmp_path):
     assert plan["model"]["sliding_window"] == 4096
     code, _, err = run(capsys, str(path), "--cluster", "8xh100-80gb", "--seq-len", "32768", "--cp", "2")
     assert code == 2 and "sliding window of 4096 tokens" in err
+
+
+def test_a_long_default_sequence_is_pointed_out(capsys):
+    """The default sequence is the model's maximum; past 8K (a long-context config's 128K) stderr says so and
+    how to plan another length; stdout (the report, --json) is unchanged."""
+    code, out, err = run(capsys, "llama3.2-1b", "--cluster", "8xh100-80gb", "--global-batch-size", "8")
+    assert code == 0 and "seq 131072" in out and "plan: seq 131072 is llama3.2-1b's maximum" in err
+    code, out, err = run(capsys, "llama3.2-1b", "--cluster", "8xh100-80gb", "--global-batch-size", "8",
+                         "--seq-len", "131072")
+    assert code == 0 and "seq 131072" in out and "maximum" not in err
+    code, _, err = run(capsys, "llama3-8b", "--cluster", "8xh100-80gb")
+    assert code == 0 and "maximum" not in err
