@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import socket
 import sys
@@ -168,5 +169,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         if dist.is_initialized():
+            gc.collect()  # hooks hold the groups in cycles: freed before teardown (profiler/measure.py _spawned)
             dist.destroy_process_group()
     return 0
