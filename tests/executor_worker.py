@@ -5,6 +5,7 @@ SPEC: {"steps": K, "seed": S, "plans": {"name": "plan.json", ...}}; OUT (rank 0)
 or {"name": "error: ..."} when a plan failed.
 """
 
+import gc
 import json
 import sys
 import traceback
@@ -35,6 +36,8 @@ def main(train=lambda trainer, cfg: trainer.run(), named: bool = False) -> None:
     if dist.get_rank() == 0:
         with open(out_path, "w") as fh:
             json.dump(out, fh)
+    trainer = None
+    gc.collect()  # hooks hold the groups in cycles: freed before teardown (profiler/measure.py _spawned)
     dist.destroy_process_group()
 
 
