@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         if dist.is_initialized():
-            gc.collect()  # hooks hold the groups in cycles: freed before teardown (profiler/measure.py _spawned)
+            # the model's hooks hold the process groups in reference cycles; a gloo group destroyed in the
+            # interpreter's teardown can abort a finished run (profiler.measure.exit_spawned_rank): freed now
+            gc.collect()
             dist.destroy_process_group()
     return 0

@@ -374,10 +374,6 @@ def _spawned(rank: int, world: int, port: int, cfg_dict: dict, result_path: str)
         result = run_rank(cfg, rank, world, rank, world)
         dist.barrier()
     finally:
-        # the measured modules' hooks hold the process group in reference cycles; a gloo group the
-        # interpreter's teardown destroys aborts the process now and then ("terminate called without an
-        # active exception", pytorch/pytorch#190489): freed here, while the interpreter is whole
-        gc.collect()
         dist.destroy_process_group()
     if result is not None:
         with open(result_path, "w", encoding="utf-8") as fh:

@@ -37,7 +37,7 @@ def main(train=lambda trainer, cfg: trainer.run(), named: bool = False) -> None:
         with open(out_path, "w") as fh:
             json.dump(out, fh)
     trainer = None
-    gc.collect()  # hooks hold the groups in cycles: freed before teardown (profiler/measure.py _spawned)
+    gc.collect()  # torchrun's ranks finalize: the groups are freed before, as in executor/cli.py
     dist.destroy_process_group()
 
 

@@ -16,7 +16,7 @@ from meshplan.executor.context_parallel import AllGatherAttention, chunk_positio
 from meshplan.planner.model_sources import builtin_model
 from meshplan.planner.plan import save_plan
 
-from tests.executor_worker import assert_matches_reference, repo_root, run_plans
+from tests.executor_worker import assert_matches_reference, repo_root, run_plans, spawn_ranks
 from tests.helpers import make_plan
 
 STEPS, SEED = 3, 5
@@ -105,7 +105,7 @@ def _all_gather_worker(rank: int, world: int, store: str, kv_heads: int, selecti
 def test_all_gather_attention_matches_causal_sdpa(tmp_path, kv_heads, selective):
     """Outputs and gradients of q, k, v on 2 gloo ranks equal the whole sequence's; with k and v saved as
     local chunks (the checkpoint's inputs too), backward gathers each of them again once."""
-    torch.multiprocessing.spawn(_all_gather_worker, args=(2, str(tmp_path / "store"), kv_heads, selective), nprocs=2)
+    spawn_ranks(_all_gather_worker, 2, str(tmp_path / "store"), kv_heads, selective)
 
 
 def test_ring_plan_refused_on_gloo(tmp_path):

@@ -5,21 +5,19 @@ are those of keeping it whole."""
 
 from __future__ import annotations
 
-import gc
 import weakref
 
 import torch
 import torch.distributed as dist
 from meshplan.planner.model_sources import builtin_model
 
+from tests.executor_worker import spawn_ranks
+
 
 def _worker(rank: int, world: int, store: str, model: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         _check(world, model)
-        # the hooks' closures hold the process group in reference cycles: freed now, not by the interpreter's
-        # teardown, where destroying a gloo group still referenced aborts the process now and then
-        gc.collect()
     finally:
         dist.destroy_process_group()
 
@@ -66,4 +64,4 @@ def _check(world: int, model: str) -> None:
 def test_sequence_parallel_keeps_linear_inputs_as_shards(tmp_path):
     # SwiGLU, grouped-query attention, a vocabulary-parallel head; GELU, learned positions, a replicated head
     for model in ("tiny", "gpt2"):
-        torch.multiprocessing.spawn(_worker, args=(2, str(tmp_path / f"store-{model}"), model), nprocs=2)
+        spawn_ranks(_worker, 2, str(tmp_path / f"store-{model}"), model)  # exits without finalization
