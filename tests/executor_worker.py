@@ -108,7 +108,9 @@ def torchrun(args: list[str], nproc: int, timeout: float = 240, extra_env: dict 
     port, with the worktree on PYTHONPATH; returns the CompletedProcess."""
     import os
     import subprocess
-    env = {**os.environ, "PYTHONPATH": repo_root(), "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    # faulthandler: a rank that crashes (SIGSEGV, SIGABRT) prints its Python stack to the captured stderr
+    env = {**os.environ, "PYTHONPATH": repo_root(), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
+           **(extra_env or {})}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
     launcher += torchrun_args if torchrun_args is not None else ["--master-addr", "127.0.0.1",
                                                                  "--master-port", str(free_port())]
@@ -132,7 +134,9 @@ def run_plans(tmp, plans: dict, worker: str, steps: int, seed: int, timeout: flo
     spec.write_text(json.dumps({"steps": steps, "seed": seed, "plans": paths}))
     out = tmp / "out.json"
     proc = torchrun([os.path.join("tests", worker), str(spec), str(out)], nproc=4, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    crash = proc.stderr.find("Fatal Python error")  # a crashed rank's stack, ahead of torchrun's summary
+    assert proc.returncode == 0, (proc.stderr[crash:crash + 3000] + "\n...\n" if crash >= 0 else "") \
+        + proc.stderr[-4000:]
     return json.loads(out.read_text()), paths
 
 
