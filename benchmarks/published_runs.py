@@ -253,11 +253,11 @@ def main() -> None:
     ap.add_argument("--software", choices=list(ENGINES), help="cost every row as this engine runs it (meshplan: the "
                     "planner's default) instead of the software it ran")
     args = ap.parse_args()
-    every = json.loads(ROWS.read_text())["rows"]
-    unknown = sorted(set(args.row or ()) - {r["id"] for r in every if r["source_key"] in args.source and usable(r)})
+    rows = [r for r in json.loads(ROWS.read_text())["rows"] if r["source_key"] in args.source and usable(r)]
+    unknown = sorted(set(args.row or ()) - {r["id"] for r in rows})
     if unknown:  # a typo, a row of another --source, or one this benchmark cannot cost (incomplete, fp8 engine)
         ap.error(f"argument --row: no usable row {', '.join(unknown)} in --source {' '.join(args.source)}")
-    rows = [r for r in every if r["source_key"] in args.source and usable(r) and (not args.row or r["id"] in args.row)]
+    rows = [r for r in rows if not args.row or r["id"] in args.row]
     if args.gpu:
         rows = [{**r, "gpu": args.gpu, "gpus_per_node": 8} for r in rows]
     if args.software:

@@ -10,6 +10,9 @@ from meshplan.planner.errors import InputError, MeshplanError
 from meshplan.planner.plan import CP_MODES, DTYPES, FP8_CHOICES, RECOMPUTE, SCHEDULES
 
 SUBCOMMANDS = ("profile", "show", "export", "calibrate")
+# A default sequence longer than this (a long-context model's maximum) is pointed out: pretraining runs
+# shorter ones (Llama 3: 8K, then long-context stages).
+LONG_DEFAULT_SEQ = 8192
 
 MAIN_EPILOG = """\
 subcommands:
@@ -222,11 +225,6 @@ def run_main(argv: Sequence[str]) -> int:
         if args.pareto:
             print(f"time vs memory of {len(considered)} candidates written to {args.pareto}")
     return 0
-
-
-# A default sequence longer than this (a long-context model's maximum) is pointed out: pretraining runs
-# shorter ones (Llama 3: 8K, then long-context stages).
-LONG_DEFAULT_SEQ = 8192
 
 
 class DelayedProgress:

@@ -162,12 +162,13 @@ def _fa(hd64: tuple[float, ...], hd128: tuple[float, ...], scale: float = 1.0) -
 FA1_A100 = _fa((58, 70, 77, 87, 92, 97), (55, 62, 69, 76, 80, 83))
 FA1_H100 = _fa((104, 123, 136, 138, 149, 156), (98, 109, 108, 126, 135, 137))
 FA2_A100 = _fa((88, 119, 140, 156, 165, 171), (99, 133, 155, 173, 182, 189))
-FA2_H100 = _fa((141, 192, 232, 257, 273, 284), (163, 221, 265, 294, 308, 328))
-FA2_B200_DERIVED = _fa((141, 192, 232, 257, 273, 284), (163, 221, 265, 294, 308, 328), scale=1745.0 / 794.5)
-FA2_GB200_DERIVED = _fa((141, 192, 232, 257, 273, 284), (163, 221, 265, 294, 308, 328), scale=1822.0 / 794.5)
+_FA2_H100_BARS = ((141, 192, 232, 257, 273, 284), (163, 221, 265, 294, 308, 328))  # hd64, hd128
+FA2_H100 = _fa(*_FA2_H100_BARS)
+FA2_B200_DERIVED = _fa(*_FA2_H100_BARS, scale=1745.0 / 794.5)
+FA2_GB200_DERIVED = _fa(*_FA2_H100_BARS, scale=1822.0 / 794.5)
 # B300 (Blackwell Ultra) doubles the SFU's exponentials ("Inside NVIDIA Blackwell Ultra", NVIDIA technical blog,
 # 2025-08), which softmax spends; no attention kernel rate is published for it: scaled by MAMF as B200's.
-FA2_B300_DERIVED = _fa((141, 192, 232, 257, 273, 284), (163, 221, 265, 294, 308, 328), scale=1769.0 / 794.5)
+FA2_B300_DERIVED = _fa(*_FA2_H100_BARS, scale=1769.0 / 794.5)
 # FlashAttention-1 rates by device preset (H200: H100's die, as for FlashAttention-2); none for B200/GB200
 FLASH1_PRESETS = {"a100-40gb": FA1_A100, "a100-80gb": FA1_A100, "h100-80gb": FA1_H100, "h200-141gb": FA1_H100}
 # - memory_efficiency: BabelStream Triad over the datasheet bandwidth (docs/sources/hardware_constants_2.md):
