@@ -18,8 +18,11 @@ parallelism. This module puts them together per candidate (planner/candidate.py)
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from meshplan.planner.candidate import Candidate, Links
 from meshplan.planner.cost_collectives import (
@@ -118,6 +121,15 @@ class StageProblem:
     # share of the GPU that overlapped collectives take from compute while they run (`overlap_tax`)
     overlap_tax: float = 0.0
 
+    @functools.cached_property
+    def layer_sums(self) -> tuple[list[float], ...]:
+        """Running sums over the layers of fwd, bwd, time, gather, reduce, act, state, opt, dp and the
+        optimizer workspace: `evaluate` sums a stage's layers as two lookups (the local search evaluates
+        thousands of partitions of one problem)."""
+        cols = (self.fwd, self.bwd, self.time, self.gather, self.reduce, self.act, self.state, self.opt, self.dp,
+                self.ws.per_layer)
+        return tuple([0.0, *itertools.accumulate(col)] for col in cols)
+
     @property
     def state_kept(self) -> float:
         return state_kept(self.grads_idle)
@@ -186,6 +198,21 @@ class Evaluation:
     stages: list[StageResult]
 
 
+class _Row(NamedTuple):
+    """One stage's sums in `evaluate` (seconds per micro-batch, or per iteration for opt and dp; bytes)."""
+    f: float
+    g: float
+    base: float
+    gather: float
+    reduce: float
+    rec: float
+    act: float
+    state: float
+    opt: float
+    dp: float
+    opt_ws: float
+
+
 def rank_of_stages(problem: StageProblem) -> list[list[int]]:
     ranks: list[list[int]] = [[] for _ in range(problem.pp)]
     for s, r in enumerate(problem.rank):
@@ -205,52 +232,49 @@ def evaluate(problem: StageProblem, bounds: list[int], recompute: list[int],
     last bucket cannot overlap). A rank's memory is its state, fixed bytes and the largest transient
     moment of `peak_memory`."""
     P = problem
+    sums = P.layer_sums
     rows = []
     for s in range(P.num_stages):
-        layers = range(bounds[s], bounds[s + 1])
-        r = recompute[s]
-        rows.append(dict(
-            f=sum(P.fwd[i] for i in layers), g=sum(P.bwd[i] for i in layers),
-            base=sum(P.time[i] for i in layers) + r * P.rec_time + P.boundary[s],
-            gather=sum(P.gather[i] for i in layers), reduce=sum(P.reduce[i] for i in layers), rec=r * P.rec_time,
-            act=sum(P.act[i] for i in layers) - r * P.rec_saving, state=sum(P.state[i] for i in layers),
-            opt=sum(P.opt[i] for i in layers), dp=sum(P.dp[i] for i in layers),
-            opt_ws=sum(P.ws.per_layer[i] for i in layers)))
+        a, b = bounds[s], bounds[s + 1]
+        f, g, t, gather, reduce, act, state, opt, dp, opt_ws = (col[b] - col[a] for col in sums)
+        rec = recompute[s] * P.rec_time
+        rows.append(_Row(f, g, t + rec + P.boundary[s], gather, reduce, rec, act - recompute[s] * P.rec_saving,
+                         state, opt, dp, opt_ws))
     ranks = rank_of_stages(P)
-    tau, tails, mem, z3 = [], [], [], []
+    tau, tails, mem, z3, pooled_of, held = [], [], [], [], [], []
     for r, stages in enumerate(ranks):
-        gather = sum(rows[s]["gather"] for s in stages)
-        pooled = gather + sum(rows[s]["reduce"] for s in stages)
-        compute = sum(rows[s]["f"] + rows[s]["g"] for s in stages)
+        mine = [rows[s] for s in stages]
+        gather = sum(w.gather for w in mine)
+        pooled = gather + sum(w.reduce for w in mine)
+        pooled_of.append(sum(w.gather + w.reduce for w in mine))
+        compute = sum(w.f + w.g for w in mine)
         z3.append(max(pooled - compute, P.unhidden * gather) if pooled > 0 else 0.0)
         # hidden traffic still slows the compute it overlaps (overlap_tax of it while it runs)
         z3[r] += P.overlap_tax * (pooled - z3[r]) if pooled > 0 else 0.0
-        tau.append(sum(rows[s]["base"] for s in stages) + z3[r])
-        sync = sum(rows[s]["dp"] for s in stages)
-        exposed = max(sync - sum(rows[s]["g"] for s in stages), P.unhidden * sync)
+        tau.append(sum(w.base for w in mine) + z3[r])
+        sync = sum(w.dp for w in mine)
+        exposed = max(sync - sum(w.g for w in mine), P.unhidden * sync)
         exposed += P.overlap_tax * (sync - exposed)
-        tails.append((exposed, sum(rows[s]["opt"] for s in stages) + P.step_sync))
-        mem.append(peak_memory(sum(rows[s]["state"] for s in stages), P.fixed[r], P.inflight[r],
-                               sum(rows[s]["act"] for s in stages), sum(rows[s]["opt_ws"] for s in stages), P.ws, r,
-                               P.grads_idle[r], P.later[r], P.emb_inflight[r]))
+        tails.append((exposed, sum(w.opt for w in mine) + P.step_sync))
+        mem.append(peak_memory(sum(w.state for w in mine), P.fixed[r], P.inflight[r], sum(w.act for w in mine),
+                               sum(w.opt_ws for w in mine), P.ws, r, P.grads_idle[r], P.later[r], P.emb_inflight[r]))
+        held.append(sum(w.state + P.inflight[r] * w.act for w in mine))
     tau_max, tail = max(tau), max(e + o for e, o in tails)
     results = []
     p_frac, g_frac, o_frac = state_split
     for s, row in enumerate(rows):
         r = P.rank[s]
-        stages = ranks[r]
-        pooled_r = sum(rows[k]["gather"] + rows[k]["reduce"] for k in stages)
-        share = (row["gather"] + row["reduce"]) / pooled_r if pooled_r > 0 else 0.0
-        total = row["base"] + z3[r] * share
-        n_r = len(stages)
+        pooled_r = pooled_of[r]
+        share = (row.gather + row.reduce) / pooled_r if pooled_r > 0 else 0.0
+        total = row.base + z3[r] * share
+        n_r = len(ranks[r])
         results.append(StageResult(
-            forward=row["f"], backward=row["g"], recompute=row["rec"],
-            communication=total - row["f"] - row["g"] - row["rec"], total=total,
+            forward=row.f, backward=row.g, recompute=row.rec,
+            communication=total - row.f - row.g - row.rec, total=total,
             dp_sync=tails[r][0] / n_r, optimizer=tails[r][1] / n_r,
-            parameters=row["state"] * p_frac + P.fixed[r] / n_r, gradients=row["state"] * g_frac,
-            optimizer_state=row["state"] * o_frac, activations=P.inflight[r] * row["act"], memory_total=mem[r],
-            workspace=(mem[r] - P.fixed[r] - sum(rows[k]["state"] + P.inflight[r] * rows[k]["act"] for k in stages))
-            / n_r,
+            parameters=row.state * p_frac + P.fixed[r] / n_r, gradients=row.state * g_frac,
+            optimizer_state=row.state * o_frac, activations=P.inflight[r] * row.act, memory_total=mem[r],
+            workspace=(mem[r] - P.fixed[r] - held[r]) / n_r,
             relief=P.boundary_relief[s] if P.boundary_relief else 0.0,
             hop_wait=P.hop_wait[s] / 2 if P.hop_wait else 0.0))
     iteration = P.weight * tau_max + tail

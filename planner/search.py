@@ -9,7 +9,10 @@ rank over whole blocks that fit its memory). Candidates are solved in order of t
 search stops once the least bound left passes the k-th best distinct plan's reported time: the ranking
 is the one solving every candidate would give (tests/test_search.py checks it, and each candidate's ILP
 optimum, against brute force), while only a few ILPs are solved and only plans that can still enter the
-ranking are simulated.
+ranking are simulated. A simulated plan within POLISH_WITHIN of the k-th best then goes through a local
+search on its simulated time from the ILP's partition (planner/polish.py), since the ILP's closed form can
+rate equal partitions the simulation does not; on small cases the plan's time is brute force's least
+simulated time over every candidate, partition and recompute count (tests/test_search.py).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from meshplan.planner.plan import (
     SearchStats,
     stage_rank,
 )
+from meshplan.planner.polish import polish
 from meshplan.planner.search_plan import describe, infeasible_message, parallel_config, plan_key, to_plan
 from meshplan.planner.search_space import candidates, memory_key
 from meshplan.planner.shared_cores import (
@@ -78,6 +82,9 @@ from meshplan.planner.shared_cores import (
 )
 
 Progress = Callable[[int, int], None]
+# The local search on the simulated time (planner/polish.py) runs on plans within this factor of the
+# keep-th best: one layer moved between stages shifts a plan by a share of a stage, rarely by more
+POLISH_WITHIN = 1.02
 TOLERANCE = 1 + 1e-12  # a bound this close to a solved time may still tie it (ties go to the earlier candidate)
 
 
@@ -160,6 +167,7 @@ class Search:
         # the time bound None where the memory bound alone pruned it (`_queue`)
         self.bounds_seen: list[tuple[float | None, float, Candidate]] = []
         self.ranked_times: dict[Candidate, float] = {}  # solved candidates' reported (simulated) times
+        self.polished: dict[tuple, tuple] = {}  # local-search results by problem, start and schedule
         self.refined_bounds: dict[Candidate, float] = {}  # the sharper bounds the search computed
         self.quick = _Quick(model)
         self.rate = relative_rate(profile)  # None unless CPU ranks outnumbered the cores when profiled
@@ -444,18 +452,38 @@ class Search:
 
     def score(self, cand: Candidate, problem: StageProblem, solution: Solution, index: int,
               limit: float = math.inf) -> tuple[Scored, bool]:
-        """The solved candidate with its reported time, and whether that is what it holds: a pipeline
-        whose simulation cannot come within `limit` (evaluation_lower_bound) is not simulated and keeps
-        its closed-form time; it cannot enter the ranking."""
+        """The solved candidate with its reported time, and whether that is what it holds. A pipeline is
+        simulated, and then polished when within POLISH_WITHIN of `limit`, unless its partition's
+        simulation cannot come within that (evaluation_lower_bound): then it keeps its closed-form time
+        and cannot enter the ranking."""
         time, ranked = solution.objective, True
         if cand.pp > 1:
             solution = self._even_if_faster(cand, problem, solution)
             ev = solution.evaluation or evaluate(problem, solution.bounds, solution.recompute)
             quick = evaluation_lower_bound(ev, cand.schedule, cand.pp, cand.v, cand.m) if self.rate is None else 0.0
-            ranked = quick <= limit * TOLERANCE
+            ranked = quick <= limit * POLISH_WITHIN
             if ranked:
                 time = self.shared_time(cand, ev)
+                if time <= limit * POLISH_WITHIN:
+                    solution, time = self._polished(cand, problem, solution, ev, time)
         return Scored(cand, problem, solution, index, time), ranked
+
+    def _polished(self, cand: Candidate, problem: StageProblem, solution: Solution, ev: Evaluation,
+                  time: float) -> tuple[Solution, float]:
+        """The partition the local search on the simulated time reaches from the ILP's (planner/polish.py),
+        with its simulated time."""
+        def bound(e: Evaluation) -> float:
+            return evaluation_lower_bound(e, cand.schedule, cand.pp, cand.v, cand.m) if self.rate is None else 0.0
+
+        key = (problem.key(), tuple(solution.bounds), tuple(solution.recompute), cand.schedule, cand.pp, cand.v,
+               cand.m, cand.dp * cand.cp * cand.tp)
+        if key not in self.polished:  # candidates differing only where the problem does not (ZeRO 1 and 2)
+            self.polished[key] = polish(problem, solution.bounds, solution.recompute, ev, time,
+                                        lambda e: self.shared_time(cand, e), bound)
+        bounds, recompute, ev, time, _ = self.polished[key]
+        if bounds is solution.bounds and recompute is solution.recompute:
+            return solution, time
+        return Solution(bounds, recompute, ev.iteration_time, ev), time
 
     def _even_if_faster(self, cand: Candidate, problem: StageProblem, solution: Solution) -> Solution:
         """The ILP balances each rank's total work, which the schedule's simulation does not always

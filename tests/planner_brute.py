@@ -4,6 +4,7 @@ instances (≤ 8 devices, ≤ 12 layers)."""
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import replace
 
 from meshplan.planner.cluster_spec import ClusterSpec, LinkSpec, parse_cluster
@@ -46,13 +47,28 @@ def brute_partition(P: StageProblem) -> float | None:
 
 def every_candidate(search: Search):
     """(candidate, problem, brute-force closed-form optimum, the search's solution, its reported time) of
-    every candidate, each solved on its own: what the search would rank with no pruning at all."""
+    every candidate, each solved and scored on its own (the local search on the simulated time included):
+    what the search would rank with no pruning at all."""
     c = search.c
     for cand in candidates(search.model, search.cluster, c, search.placer):
         problem = search.problem(cand)
         solution = search.partition.solve(problem)
-        reported = search.iteration_time(cand, problem, solution) if solution is not None else None
+        reported = search.score(cand, problem, solution, 0)[0].time if solution is not None else None
         yield cand, problem, brute_partition(problem), solution, reported
+
+
+def brute_simulated(search: Search) -> float:
+    """The least reported time over every candidate, partition and recompute count that fits: each
+    pipeline's schedule simulated (Search.shared_time), as the search reports it."""
+    best = math.inf
+    for cand in candidates(search.model, search.cluster, search.c, search.placer):
+        problem = search.problem(cand)
+        for bounds in partitions(problem):
+            for rec in recompute_choices(problem, bounds):
+                ev = evaluate(problem, bounds, rec)
+                if ev.feasible:
+                    best = min(best, search.shared_time(cand, ev) if cand.pp > 1 else ev.iteration_time)
+    return best
 
 
 def brute_search(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints, profile) -> float | None:
