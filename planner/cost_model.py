@@ -220,6 +220,29 @@ def rank_of_stages(problem: StageProblem) -> list[list[int]]:
     return ranks
 
 
+def _stage_rows(P: StageProblem, bounds: list[int], recompute: list[int]) -> list[_Row]:
+    F, G, T, GA, RE, AC, ST, OP, DP, WS = P.layer_sums
+    rows = []
+    for s in range(P.num_stages):
+        a, b = bounds[s], bounds[s + 1]
+        rec = recompute[s] * P.rec_time
+        rows.append(_Row(F[b] - F[a], G[b] - G[a], T[b] - T[a] + rec + P.boundary[s], GA[b] - GA[a], RE[b] - RE[a],
+                         rec, AC[b] - AC[a] - recompute[s] * P.rec_saving, ST[b] - ST[a], OP[b] - OP[a],
+                         DP[b] - DP[a], WS[b] - WS[a]))
+    return rows
+
+
+def _rank_memory(P: StageProblem, mine: list[_Row], r: int) -> float:
+    return peak_memory(sum(w.state for w in mine), P.fixed[r], P.inflight[r], sum(w.act for w in mine),
+                       sum(w.opt_ws for w in mine), P.ws, r, P.grads_idle[r], P.later[r], P.emb_inflight[r])
+
+
+def rank_memory(problem: StageProblem, bounds: list[int], recompute: list[int]) -> list[float]:
+    """`evaluate(...).rank_memory` alone (the local search's recompute bisection asks for nothing else)."""
+    rows = _stage_rows(problem, bounds, recompute)
+    return [_rank_memory(problem, [rows[s] for s in stages], r) for r, stages in enumerate(rank_of_stages(problem))]
+
+
 def evaluate(problem: StageProblem, bounds: list[int], recompute: list[int],
              state_split: tuple[float, float, float] = (1.0, 0.0, 0.0)) -> Evaluation:
     """Predicted iteration time and per-rank memory of one partition: stage s holds layers
@@ -232,14 +255,7 @@ def evaluate(problem: StageProblem, bounds: list[int], recompute: list[int],
     last bucket cannot overlap). A rank's memory is its state, fixed bytes and the largest transient
     moment of `peak_memory`."""
     P = problem
-    sums = P.layer_sums
-    rows = []
-    for s in range(P.num_stages):
-        a, b = bounds[s], bounds[s + 1]
-        f, g, t, gather, reduce, act, state, opt, dp, opt_ws = (col[b] - col[a] for col in sums)
-        rec = recompute[s] * P.rec_time
-        rows.append(_Row(f, g, t + rec + P.boundary[s], gather, reduce, rec, act - recompute[s] * P.rec_saving,
-                         state, opt, dp, opt_ws))
+    rows = _stage_rows(P, bounds, recompute)
     ranks = rank_of_stages(P)
     tau, tails, mem, z3, pooled_of, held = [], [], [], [], [], []
     for r, stages in enumerate(ranks):
@@ -256,8 +272,7 @@ def evaluate(problem: StageProblem, bounds: list[int], recompute: list[int],
         exposed = max(sync - sum(w.g for w in mine), P.unhidden * sync)
         exposed += P.overlap_tax * (sync - exposed)
         tails.append((exposed, sum(w.opt for w in mine) + P.step_sync))
-        mem.append(peak_memory(sum(w.state for w in mine), P.fixed[r], P.inflight[r], sum(w.act for w in mine),
-                               sum(w.opt_ws for w in mine), P.ws, r, P.grads_idle[r], P.later[r], P.emb_inflight[r]))
+        mem.append(_rank_memory(P, mine, r))
         held.append(sum(w.state + P.inflight[r] * w.act for w in mine))
     tau_max, tail = max(tau), max(e + o for e, o in tails)
     results = []

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from meshplan.planner.cost_model import Evaluation, StageProblem, evaluate, rank_of_stages
+from meshplan.planner.cost_model import Evaluation, StageProblem, evaluate, rank_memory, rank_of_stages
 
 IMPROVE = 1 - 1e-9  # a move must shorten the simulated time by more than rounding
 MAX_ROUNDS = 64  # moves kept per polish; each shortens the time, so the loop ends before this in practice
@@ -40,13 +40,12 @@ def polish(problem: StageProblem, bounds: list[int], recompute: list[int], ev: E
     for _ in range(max_rounds):
         best = None
         for wide in (False, True):  # the pairs of moves only where no single move helps
-            for nb, nr, cand in moves.around(bounds, recompute, wide):
+            for nb, nr in moves.around(bounds, recompute, wide):
                 key = (tuple(nb), tuple(nr))
                 if key in seen:
                     continue
                 seen.add(key)
-                if cand is None:
-                    cand = evaluate(problem, nb, nr)
+                cand = evaluate(problem, nb, nr)
                 if not cand.feasible or bound(cand) >= time * IMPROVE:
                     continue
                 runs += 1
@@ -62,8 +61,7 @@ def polish(problem: StageProblem, bounds: list[int], recompute: list[int], ev: E
 
 
 class _Moves:
-    """The neighbours of a partition, each with the recompute it needs (and its evaluation when the
-    recompute search already made it)."""
+    """The neighbours of a partition, each with the recompute it needs."""
 
     def __init__(self, problem: StageProblem):
         self.P = problem
@@ -77,7 +75,7 @@ class _Moves:
         return [self.prefix[b] - self.prefix[a] for a, b in zip(bounds, bounds[1:])]
 
     def around(self, bounds: list[int], recompute: list[int], wide: bool
-               ) -> Iterator[tuple[list[int], list[int], Evaluation | None]]:
+               ) -> Iterator[tuple[list[int], list[int]]]:
         """The moves (`wide`: the pairs of moves, else the others)."""
         P, S = self.P, len(bounds) - 1
         if wide:
@@ -93,7 +91,7 @@ class _Moves:
                     if nb[i] <= nb[i - 1] or nb[j] >= nb[j + 1] or \
                             (P.cuts and not all(P.cuts[nb[k]] for k in range(i, j + 1))):
                         continue
-                    yield (nb, *self.recompute_for(nb, recompute))
+                    yield nb, self.recompute_for(nb, recompute)
         if self.free:  # one recomputed block handed to the rank's next or previous stage
             counts = self.counts(bounds)
             for stages in self.ranks:
@@ -102,10 +100,10 @@ class _Moves:
                         nr = list(recompute)
                         nr[a] -= 1
                         nr[b] += 1
-                        yield list(bounds), nr, None
+                        yield list(bounds), nr
 
     def pairs(self, bounds: list[int], recompute: list[int]
-              ) -> Iterator[tuple[list[int], list[int], Evaluation | None]]:
+              ) -> Iterator[tuple[list[int], list[int]]]:
         """Two boundaries, not neighbours, each moved by a layer, the first handing a layer from one rank to
         another and the second one back: each rank's load stays, the stages' order of work changes."""
         P, S = self.P, len(bounds) - 1
@@ -119,39 +117,34 @@ class _Moves:
                 nb[j] += sj
                 if all(nb[k] > nb[k - 1] for k in (i, i + 1, j, j + 1)) and \
                         (not P.cuts or (P.cuts[nb[i]] and P.cuts[nb[j]])):
-                    yield (nb, *self.recompute_for(nb, recompute))
+                    yield nb, self.recompute_for(nb, recompute)
 
     def flow(self, i: int, step: int) -> tuple[int, int]:
         """(rank that gives a layer, rank that takes it) when boundary i moves by step."""
         giver, taker = (i, i - 1) if step > 0 else (i - 1, i)
         return self.P.rank[giver], self.P.rank[taker]
 
-    def recompute_for(self, bounds: list[int], recompute: list[int]) -> tuple[list[int], Evaluation | None]:
+    def recompute_for(self, bounds: list[int], recompute: list[int]) -> list[int]:
         """The recompute of a move: every block (recompute "all"), none, or each rank's fewest that fit
         (found by bisection on every rank at once), spread over the rank's stages."""
         P = self.P
         counts = self.counts(bounds)
         if P.recompute == "all":
-            return counts, None
+            return counts
         if not self.free:
-            return list(recompute), None
+            return list(recompute)
         caps = [sum(counts[s] for s in stages) for stages in self.ranks]
         start = [min(sum(recompute[s] for s in stages), cap) for stages, cap in zip(self.ranks, caps)]
         searches = [_Least(g, cap) for g, cap in zip(start, caps)]
         limit = P.mem_limit * (1 + 1e-9)
         while True:
-            guess = [q.guess for q in searches]
-            trial = self.spread(guess, counts)
-            ev = evaluate(P, bounds, trial)
-            for q, mem in zip(searches, ev.rank_memory):
+            trial = self.spread([q.guess for q in searches], counts)
+            for q, mem in zip(searches, rank_memory(P, bounds, trial)):
                 q.learn(mem <= limit)
             if any(q.hopeless for q in searches):
-                return trial, ev  # some rank does not fit even recomputing all its blocks
+                return trial  # some rank does not fit even recomputing all its blocks
             if all(q.done for q in searches):
-                if all(q.guess == g for q, g in zip(searches, guess)):
-                    return trial, ev
-                least = self.spread([q.guess for q in searches], counts)
-                return least, evaluate(P, bounds, least)
+                return self.spread([q.guess for q in searches], counts)
 
     def spread(self, totals: list[int], counts: list[int]) -> list[int]:
         """Each rank's recomputed blocks over its stages, as evenly as their blocks allow (earlier stages

@@ -36,7 +36,8 @@ def test_each_rank_recomputes_the_fewest_blocks_that_fit():
                 total = sum(rec[s] for s in stages)
                 if mem[r] <= P.mem_limit * (1 + 1e-9) and (least[r] is None or total < least[r]):
                     least[r] = total
-        rec, ev = moves.recompute_for(bounds, [0] * len(counts))
+        rec = moves.recompute_for(bounds, [0] * len(counts))
+        ev = evaluate(P, bounds, rec)
         if any(x is None for x in least):
             assert not ev.feasible
             continue
@@ -57,7 +58,7 @@ def test_polish_only_keeps_moves_that_shorten_the_simulated_time():
                                           lambda e: search.shared_time(cand, e), lambda e: 0.0)
     assert out.feasible and time <= start and runs > 0
     assert time == search.shared_time(cand, evaluate(P, bounds, rec))
-    for nb, nr, _ in _Moves(P).around(bounds, rec, wide=False):
+    for nb, nr in _Moves(P).around(bounds, rec, wide=False):
         nev = evaluate(P, nb, nr)
         if nev.feasible:
             assert search.shared_time(cand, nev) >= time * (1 - 1e-9)
