@@ -2,7 +2,7 @@
 
 import itertools
 
-from meshplan.planner.cost_model import evaluate, rank_of_stages
+from meshplan.planner.cost_model import evaluate, rank_memory, rank_of_stages
 from meshplan.planner.polish import _Moves, polish
 from meshplan.planner.search import Search
 
@@ -62,3 +62,17 @@ def test_polish_only_keeps_moves_that_shorten_the_simulated_time():
         nev = evaluate(P, nb, nr)
         if nev.feasible:
             assert search.shared_time(cand, nev) >= time * (1 - 1e-9)
+
+
+def test_rank_memory_is_evaluate_s():
+    """The bisection's memory-only evaluation gives `evaluate`'s per-rank memory for every partition and
+    recompute count of an interleaved case (ranks holding two stages each)."""
+    search, cand, P = _free_problem(BINDING[4])
+    assert len(rank_of_stages(P)[0]) == 2
+    moves = _Moves(P)
+    n = 0
+    for bounds in partitions(P):
+        for rec in itertools.product(*[range(c + 1) for c in moves.counts(bounds)]):
+            assert rank_memory(P, bounds, list(rec)) == evaluate(P, bounds, list(rec)).rank_memory
+            n += 1
+    assert n > 100
