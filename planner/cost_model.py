@@ -262,7 +262,7 @@ def evaluate(problem: StageProblem, bounds: list[int], recompute: list[int],
         mine = [rows[s] for s in stages]
         gather = sum(w.gather for w in mine)
         pooled = gather + sum(w.reduce for w in mine)
-        pooled_of.append(sum(w.gather + w.reduce for w in mine))
+        pooled_of.append(pooled)
         compute = sum(w.f + w.g for w in mine)
         z3.append(max(pooled - compute, P.unhidden * gather) if pooled > 0 else 0.0)
         # hidden traffic still slows the compute it overlaps (overlap_tax of it while it runs)

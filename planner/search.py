@@ -460,8 +460,7 @@ class Search:
         if cand.pp > 1:
             solution = self._even_if_faster(cand, problem, solution)
             ev = solution.evaluation or evaluate(problem, solution.bounds, solution.recompute)
-            quick = evaluation_lower_bound(ev, cand.schedule, cand.pp, cand.v, cand.m) if self.rate is None else 0.0
-            ranked = quick <= limit * POLISH_WITHIN
+            ranked = self._quick_bound(cand, ev) <= limit * POLISH_WITHIN
             if ranked:
                 time = self.shared_time(cand, ev)
                 if time <= limit * POLISH_WITHIN:
@@ -472,18 +471,20 @@ class Search:
                   time: float) -> tuple[Solution, float]:
         """The partition the local search on the simulated time reaches from the ILP's (planner/polish.py),
         with its simulated time."""
-        def bound(e: Evaluation) -> float:
-            return evaluation_lower_bound(e, cand.schedule, cand.pp, cand.v, cand.m) if self.rate is None else 0.0
-
         key = (problem.key(), tuple(solution.bounds), tuple(solution.recompute), cand.schedule, cand.pp, cand.v,
                cand.m, cand.dp * cand.cp * cand.tp)
         if key not in self.polished:  # candidates differing only where the problem does not (ZeRO 1 and 2)
             self.polished[key] = polish(problem, solution.bounds, solution.recompute, ev, time,
-                                        lambda e: self.shared_time(cand, e), bound)
+                                        lambda e: self.shared_time(cand, e), lambda e: self._quick_bound(cand, e))
         bounds, recompute, ev, time, _ = self.polished[key]
         if bounds is solution.bounds and recompute is solution.recompute:
             return solution, time
         return Solution(bounds, recompute, ev.iteration_time, ev), time
+
+    def _quick_bound(self, cand: Candidate, ev: Evaluation) -> float:
+        """A lower bound on the reported time of this partition without simulating it (0 on shared CPU
+        cores, where processor sharing can make the simulation shorter than the stages' own times)."""
+        return evaluation_lower_bound(ev, cand.schedule, cand.pp, cand.v, cand.m) if self.rate is None else 0.0
 
     def _even_if_faster(self, cand: Candidate, problem: StageProblem, solution: Solution) -> Solution:
         """The ILP balances each rank's total work, which the schedule's simulation does not always
@@ -520,9 +521,9 @@ class Search:
         return max(1.0, self.rate(cand.dp * cand.cp * cand.tp)) * (cand.m + cand.pp - 1) / cand.m
 
     def iteration_time(self, cand: Candidate, problem: StageProblem, solution: Solution) -> float:
-        """The predicted iteration seconds of a solved candidate, as the search reports it: the closed
-        form without a pipeline, else its pipeline part simulated (with processor sharing on CPU ranks
-        that outnumber the cores)."""
+        """The predicted iteration seconds of a solution's own partition: the closed form without a
+        pipeline, else its pipeline part simulated (with processor sharing on CPU ranks that outnumber the
+        cores). The search reports the partition `score` reaches from it (planner/polish.py)."""
         if cand.pp == 1:
             return solution.objective
         return self.shared_time(cand, evaluate(problem, solution.bounds, solution.recompute))
