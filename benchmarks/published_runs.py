@@ -114,6 +114,16 @@ def named_software(row: dict) -> str | dict:
 CP_MODE = {"llama3_herd_2024": "all-gather"}
 
 
+# Stage splits other than the software's own (planner/stage_split.py):
+# - BLOOM ran --pp-partition-method 'type:transformer|embedding', its tied embedding counted as a block at each end
+#   (bigscience-workshop/bigscience train/tr11-176B-ml/README.md: "pp rank 0: [embed | 5 transformer blocks] ...
+#   pp rank 11: [5 transformer blocks | embed]").
+# - Nemotron-4's pretraining (2024, before its June report) ran Megatron-Core before uneven stages existed
+#   (Megatron-LM fa8bb5921b "Uneven Pipeline Parallelism", 2024-09-05, first released in core_r0.9.0): the
+#   blocks split evenly.
+STAGE_SPLIT = {"bloom_bigscience": "even-ends", "nemotron4_2024": "even"}
+
+
 # Interconnects that differ from the preset's DGX fabric, as the source documents them: BLOOM's Jean Zay nodes
 # had 4 x 100 Gb/s Omni-Path links per node of 8 A100s (BLOOM paper, arXiv:2211.05100 §3.4.1), 6.25 GB/s
 # per GPU, nominal (no measured bus bandwidth published).
@@ -217,6 +227,8 @@ def constraints_of(row: dict, pinned: bool) -> Constraints:
     named = named_software(row)
     engine = named if isinstance(named, str) else named.get("software")  # settings made from a named one
     c = replace(c, **engine_limits(engine)) if engine else c
+    if not row.get("costed_as"):
+        c = replace(c, stage_split=STAGE_SPLIT.get(row["source_key"]))
     if "moe_imbalance" in lay:  # how unevenly the source's router loads the experts: the workload's, not a layout's
         c = replace(c, moe_imbalance=lay["moe_imbalance"])
     if not pinned:

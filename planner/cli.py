@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 from meshplan.planner.errors import InputError, MeshplanError
 from meshplan.planner.plan import CP_MODES, DTYPES, FP8_CHOICES, RECOMPUTE, SCHEDULES
+from meshplan.planner.stage_split import SPLITS
 
 SUBCOMMANDS = ("profile", "show", "export", "calibrate")
 # A default sequence longer than this (a long-context model's maximum) is pointed out: pretraining runs
@@ -136,6 +137,12 @@ def main_parser() -> argparse.ArgumentParser:
                         "(Korthikanti et al.; under fused attention it frees only the log-sum-exp); full, "
                         "whole blocks (the planner picks how many per stage)")
     c.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO / FSDP level for data parallelism")
+    c.add_argument("--stage-split", choices=SPLITS,
+                   help="how the layers are cut into pipeline stages: free (the planner places each boundary; "
+                        "the default, except for --software engines that cannot), even (blocks spread evenly, "
+                        "the embedding with the first stage and the head with the last, as Megatron-LM before "
+                        "2024 and DeepSpeed's 'type:transformer' do) or even-ends (the embedding and the head "
+                        "counted as a block each)")
     c.add_argument("--memory-margin", type=fraction, default=0.05, metavar="F",
                    help="share of a GPU's memory, after the CUDA context and NCCL buffers, kept free for the "
                         "allocator's fragmentation (default: 0.05; the executor runs with expandable segments)")
@@ -177,7 +184,8 @@ def run_main(argv: Sequence[str]) -> int:
         global_batch_size=args.global_batch_size or max(8, 2 * cluster.world_size), seq_len=args.seq_len,
         micro_batch_size=args.micro_batch_size, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp,
         cp_mode=args.cp_mode, virtual_stages=args.virtual_stages, schedule=args.schedule, recompute=args.recompute,
-        zero=args.zero, ep=args.ep, expert_tp=args.expert_tp, moe_imbalance=args.moe_imbalance,
+        zero=args.zero, stage_split=args.stage_split, ep=args.ep, expert_tp=args.expert_tp,
+        moe_imbalance=args.moe_imbalance,
         dtype=args.dtype, memory_margin=args.memory_margin, top_k=args.top_k, **engine_limits(software),
     )
     constraints.validate(model, cluster)

@@ -8,6 +8,7 @@ from meshplan.planner.cluster_spec import ClusterSpec
 from meshplan.planner.errors import InputError
 from meshplan.planner.model_spec import ModelSpec
 from meshplan.planner.plan import ep_fits
+from meshplan.planner.stage_split import split_bounds
 
 
 def check_seq_len(model: ModelSpec, seq: int) -> None:
@@ -37,6 +38,7 @@ class Constraints:
     expert_tp: int | None = None  # the experts' tensor-parallel degree: 1 or tp
     moe_imbalance: float = 1.25  # busiest EP rank's routed rows over the mean (cost_ep.DEFAULT_IMBALANCE)
     dtype: str = "bf16"
+    stage_split: str | None = None  # planner/stage_split.py; None: the engine's (free for the executor)
     memory_margin: float = 0.05  # share kept free for fragmentation, after the reserve (planner/memory_reserve.py)
     top_k: int = 3
     # The training software the plan is for (--software, profiler/software.py) and what it can run; None:
@@ -46,6 +48,13 @@ class Constraints:
     engine_zero: tuple[int, ...] | None = None
     engine_cp_modes: tuple[str, ...] | None = None
     engine_recompute: tuple[str, ...] | None = None
+    engine_stage_splits: tuple[str, ...] | None = None  # the first is its default
+    engine_even_divides: bool = False  # the engine asserts that pp·v divides the blocks (Megatron-LM 2021-22)
+
+    @property
+    def split(self) -> str:
+        """How the layers are split into pipeline stages: the pin, else the engine's way, else free."""
+        return self.stage_split or (self.engine_stage_splits[0] if self.engine_stage_splits else "free")
 
     def _validate_engine(self) -> None:
         """Pins that the --software engine cannot run."""
@@ -60,6 +69,9 @@ class Constraints:
         if self.engine_recompute is not None and self.recompute is not None and \
                 self.recompute not in self.engine_recompute:
             refuse("--recompute", self.recompute, self.engine_recompute)
+        if self.engine_stage_splits is not None and self.stage_split is not None and \
+                self.stage_split not in self.engine_stage_splits:
+            refuse("--stage-split", self.stage_split, self.engine_stage_splits)
         if self.engine_cp_modes is not None:
             if self.cp is not None and self.cp > 1 and not self.engine_cp_modes:
                 refuse("--cp", f"context parallelism (cp={self.cp})", ())
@@ -108,6 +120,26 @@ class Constraints:
             raise InputError(f"--expert-tp: {self.expert_tp} must divide the experts' width "
                              f"{model.moe.expert_ffn_hidden_size}")
 
+    def split_runs(self, model: ModelSpec, stages: int) -> bool:
+        """Whether the stage split can cut the model into `stages` pipeline stages (planner/stage_split.py)."""
+        if stages == 1 or self.split == "free":
+            return True
+        if self.engine_even_divides and model.num_layers % stages:
+            return False
+        return split_bounds([layer.kind for layer in model.layers], stages, self.split) is not None
+
+    def _validate_split(self, model: ModelSpec) -> None:
+        """A pinned pipeline that the stage split cannot cut."""
+        if self.pp is None:
+            return
+        stages = self.pp * (self.virtual_stages or 1)
+        if self.engine_even_divides and model.num_layers % stages:
+            raise InputError(f"--pp/--virtual-stages: {self.engine} gives every stage the same number of blocks; "
+                             f"{stages} stages do not divide the model's {model.num_layers}")
+        if not self.split_runs(model, stages):
+            raise InputError(f"--stage-split: {self.split} cannot cut {model.name}'s layers into {stages} stages "
+                             "(it needs embedding, blocks, head and a block in every middle stage)")
+
     def effective_seq_len(self, model: ModelSpec) -> int:
         return self.seq_len if self.seq_len is not None else model.max_seq_len
 
@@ -146,6 +178,7 @@ class Constraints:
         if stages > len(model.layers):
             raise InputError(f"--pp/--virtual-stages: {stages} pipeline stages for a model of "
                              f"{len(model.layers)} layers (embedding, {model.num_layers} blocks, head)")
+        self._validate_split(model)
         if self.virtual_stages is not None and self.virtual_stages > 1 and self.schedule not in (
                 None, "interleaved-1f1b", "zero-bubble"):
             raise InputError(f"--virtual-stages: {self.virtual_stages} needs --schedule interleaved-1f1b or "

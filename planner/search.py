@@ -80,6 +80,7 @@ from meshplan.planner.shared_cores import (
     relative_rate,
     shared_iteration_time,
 )
+from meshplan.planner.stage_split import split_bounds, split_cuts
 
 Progress = Callable[[int, int], None]
 # The local search on the simulated time (planner/polish.py) runs on plans within this factor of the
@@ -156,6 +157,7 @@ class Search:
         self.seq = constraints.effective_seq_len(model)
         self.placer = Placer(cluster)
         self.cuts = allowed_cuts(model_graph(model))
+        self.kinds = [layer.kind for layer in model.layers]
         self.terms = Terms(model, profile, self.seq, constraints.dtype)
         self.terms.moe_imbalance = constraints.moe_imbalance  # planner/cost_ep.py
         self.partition = PartitionSolver(solver, force_assignment)
@@ -198,7 +200,12 @@ class Search:
     def problem(self, cand: Candidate) -> StageProblem:
         links = self.links(cand)
         return build_problem(self.model, self.profile, cand, self.seq, self.c.dtype, links, self.limit(cand),
-                             self.cuts, self.terms)
+                             self.cuts_for(cand), self.terms)
+
+    def cuts_for(self, cand: Candidate) -> list[bool]:
+        """Where a stage may start: wherever one tensor crosses, or only at the engine's fixed split."""
+        bounds = split_bounds(self.kinds, cand.pp * cand.v, self.c.split) if cand.pp > 1 else None
+        return self.cuts if bounds is None else split_cuts(self.cuts, bounds)
 
     def bounds(self, cand: Candidate) -> tuple[float, float]:
         """(lower_bound, memory_lower_bound) of the candidate's problem, from per-kind sums without
@@ -556,22 +563,9 @@ class Search:
 
 
 def even_bounds(problem: StageProblem) -> list[int] | None:
-    """Stage bounds with the blocks spread evenly (the first stages take one more when they do not
-    divide), the embedding in the first stage and the head in the last; None unless the model is
-    embedding, blocks, head with every cut allowed and at least one block per stage."""
-    kinds, S = problem.kinds, problem.num_stages
-    if len(kinds) < 3 or kinds[0] != "embedding" or kinds[-1] != "head" or \
-            any(k != "block" for k in kinds[1:-1]) or not all(problem.cuts[1:]):
-        return None
-    blocks = len(kinds) - 2
-    if blocks < S:
-        return None
-    bounds, start = [0], 1
-    for k in range(S):
-        start += blocks // S + (1 if k < blocks % S else 0)
-        bounds.append(start)
-    bounds[-1] = len(kinds)
-    return bounds
+    """Stage bounds with the blocks spread evenly (planner/stage_split.py "even"); None unless every cut is
+    allowed."""
+    return split_bounds(problem.kinds, problem.num_stages, "even") if all(problem.cuts[1:]) else None
 
 
 def least_bottleneck(blocks: int, block_time: float, fixed: list[float], room: list[float], block_bytes: list[float],

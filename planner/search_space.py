@@ -81,6 +81,8 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints,
                     continue
                 m = gbs // (dp * b)
                 for schedule, v in schedules(pp, m, n_layers, c, model.num_layers):
+                    if not c.split_runs(model, pp * v):
+                        continue  # the engine's stage split cannot cut this pipeline
                     for zero in ([c.zero] if c.zero is not None else range(4 if dp * cp > 1 else 1)):
                         if c.engine_zero is not None and zero not in c.engine_zero and dp * cp > 1:
                             continue  # a ZeRO level the --software engine does not run

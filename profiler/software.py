@@ -99,22 +99,26 @@ FP16 = {"megatron-2021": dict(grad_bytes=2, grad_accum_bytes=6),
 # parallelism is torch's ring attention (rotate methods allgather or alltoall), not Ulysses.
 # planner/export.py and export_cp.py name the same limits when a plan is exported.
 _MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
+# Stage splits (planner/stage_split.py has the sources): Megatron-LM of 2021-22 gives every stage the same
+# number of blocks; DeepSpeed's pipeline engine balances them by its partition_method
+_MEGATRON_EVEN = dict(engine_stage_splits=("even",), engine_even_divides=True)
 ENGINES: dict[str, dict] = {
     "meshplan": {},
     "torchtitan": dict(engine_cp_modes=("ring", "all-gather")),
     "megatron": dict(engine_schedules=_MEGATRON_SCHEDULES),
     "megatron-bridge": dict(engine_schedules=_MEGATRON_SCHEDULES),  # Megatron-Core's
-    "megatron-2022": dict(engine_schedules=_MEGATRON_SCHEDULES, engine_zero=(0, 1), engine_cp_modes=()),
+    "megatron-2022": dict(engine_schedules=_MEGATRON_SCHEDULES, engine_zero=(0, 1), engine_cp_modes=(),
+                          **_MEGATRON_EVEN),
     "megatron-2021": dict(engine_schedules=_MEGATRON_SCHEDULES, engine_zero=(0,), engine_cp_modes=(),
-                          engine_recompute=("none", "full")),
+                          engine_recompute=("none", "full"), **_MEGATRON_EVEN),
     "megatron-deepspeed-2022": dict(engine_schedules=("1f1b",), engine_zero=(0, 1), engine_cp_modes=(),
-                                    engine_recompute=("none", "full")),
+                                    engine_recompute=("none", "full"), engine_stage_splits=("even", "even-ends")),
 }
 
 
 def engine_limits(name: str) -> dict:
-    """Constraints fields (engine, engine_schedules, engine_zero, engine_cp_modes, engine_recompute) of the
-    named software."""
+    """Constraints fields (engine, engine_schedules, engine_zero, engine_cp_modes, engine_recompute,
+    engine_stage_splits, engine_even_divides) of the named software."""
     software_settings(name)  # the same one-line error for an unknown name
     return {"engine": name, **ENGINES[name]}
 

@@ -136,8 +136,9 @@ def test_software_sets_what_presets_charge(capsys, tmp_path):
 
 
 def test_software_limits_the_search(capsys):
-    """The --software engine's schedules, ZeRO levels and CP modes bound the search: DeepSpeed's pipeline
-    engine runs 1F1B with ZeRO 0 or 1, Megatron-LM of 2021 no context parallelism."""
+    """The --software engine's schedules, ZeRO levels, stage splits and CP modes bound the search: DeepSpeed's
+    pipeline engine runs 1F1B with ZeRO 0 or 1 on evenly split stages, Megatron-LM of 2021 no context
+    parallelism."""
     import json
 
     code, out, _ = run(capsys, "gpt3-175b", "--cluster", "16x8xa100-80gb", "--global-batch-size", "256",
@@ -145,6 +146,9 @@ def test_software_limits_the_search(capsys):
     assert code == 0
     plans = [json.loads(out)] + json.loads(out)["alternatives"]
     assert all(p["parallel"]["schedule"] == "1f1b" and p["parallel"]["zero"] <= 1 for p in plans)
+    # its 'type:transformer' partition: the 96 blocks spread evenly (planner/stage_split.py)
+    counts = [sum(1 for layer in range(*s["layers"]) if 0 < layer < 97) for s in plans[0]["stages"]]
+    assert len(counts) > 1 and max(counts) - min(counts) <= 1 and counts == sorted(counts, reverse=True), counts
     code, out, _ = run(capsys, "llama3-8b", "--cluster", "8xh100-80gb", "--seq-len", "131072",
                        "--global-batch-size", "8", "--software", "megatron-2021", "--json")
     assert code == 0 and json.loads(out)["parallel"]["cp"] == 1

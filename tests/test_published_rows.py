@@ -222,3 +222,17 @@ def test_software_and_gpu_options_recost_the_same_rows(monkeypatch, capsys):
         with pytest.raises(SystemExit) as exit_:
             published_runs.main()
         assert exit_.value.code == 2 and f"argument {bad[0]}: {said}" in capsys.readouterr().err
+
+
+def test_rows_split_stages_as_their_software_did():
+    """BLOOM counted its tied embedding as a block at each end ('type:transformer|embedding'); MT-NLG's
+    Megatron-DeepSpeed and Megatron-LM of 2021-22 spread the blocks evenly; Nemotron-4's Megatron-Core came
+    before uneven stages. Costed as another engine (--software), a row takes that engine's split."""
+    split = {key: None for key in ("bloom_bigscience", "mt_nlg_2022", "megatron_sc21", "korthikanti_2022",
+                                   "nemotron4_2024")}
+    for row in ROWS:
+        if row["source_key"] in split and split[row["source_key"]] is None:
+            split[row["source_key"]] = published_runs.constraints_of(row, True).split
+            assert published_runs.constraints_of({**row, "costed_as": "meshplan"}, True).split == "free"
+    assert split == {"bloom_bigscience": "even-ends", "mt_nlg_2022": "even", "megatron_sc21": "even",
+                     "korthikanti_2022": "even", "nemotron4_2024": "even"}
