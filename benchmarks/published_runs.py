@@ -121,7 +121,10 @@ CP_MODE = {"llama3_herd_2024": "all-gather"}
 # - Nemotron-4's pretraining (2024, before its June report) ran Megatron-Core before uneven stages existed
 #   (Megatron-LM fa8bb5921b "Uneven Pipeline Parallelism", 2024-09-05, first released in core_r0.9.0): the
 #   blocks split evenly.
-STAGE_SPLIT = {"bloom_bigscience": "even-ends", "nemotron4_2024": "even"}
+# - The DGX Cloud recipes of NeMo 24.09-24.11 (NeMo 1 YAML) set neither num_layers_in_first_pipeline_stage nor
+#   num_layers_in_last_pipeline_stage: Megatron-Core splits the blocks evenly.
+STAGE_SPLIT = {"bloom_bigscience": "even-ends", "nemotron4_2024": "even", "dgxc_benchmarking": "even",
+               "dgxc_benchmarking_fp8": "even"}
 
 
 # Interconnects that differ from the preset's DGX fabric, as the source documents them: BLOOM's Jean Zay nodes
@@ -145,7 +148,8 @@ def cluster_of(row: dict):
 
 def software(row: dict) -> dict:
     """The row's software settings; sequence parallelism as the row's layout says (on when not given)."""
-    sp = row["layout"].get("sequence_parallel") is not False
+    lay = row["layout"]
+    sp = lay.get("sequence_parallel") is not False
     # llm-foundry's PURE FSDP and NeMo's grad_sync_dtype bf16 (dgxc) keep and reduce gradients in bf16
     pure = "PURE" in (row["layout"].get("dtype") or "") or row["layout"].get("grad_dtype") == "bf16"
     selective = row["layout"].get("selective_ac")  # torchtitan's selective AC policy (profiler/roofline.py)
@@ -159,7 +163,8 @@ def software(row: dict) -> dict:
             | ({"selective": selective} if selective else {}) | ({"grad_overlap": True} if torch_ddp else {})
             | ({"norm": "eager-fp32"} if eager_norm else {}) | ({"loss": "fused"} if fused_loss else {})
             | ({"fp8": fp8_recipe(row)} if row.get("fp8") else {})
-            | ({"fp8_params": row["layout"]["fp8_params"]} if "fp8_params" in row["layout"] else {}))
+            | ({"fp8_params": row["layout"]["fp8_params"]} if "fp8_params" in row["layout"] else {})
+            | ({"opt_bytes": lay["optimizer_state_bytes"]} if "optimizer_state_bytes" in lay else {}))
 
 
 def fp8_recipe(row: dict) -> str:

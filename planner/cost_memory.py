@@ -57,8 +57,8 @@ def fp8_params(profile, zero: int) -> bool:
 
 
 def state_bytes_per_param(dtype: str, zero: int, dp: int, accumulating: bool = False,
-                          grad: float | None = None, fp8_weights: float = 0.0, param: float | None = None
-                          ) -> tuple[float, float, float]:
+                          grad: float | None = None, fp8_weights: float = 0.0, param: float | None = None,
+                          opt: float | None = None) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer) bytes per parameter on one device under ZeRO level `zero`, at the
     activation peak of a step as the executor runs it. FSDP2 (ZeRO ≥ 1, dp > 1) keeps each parameter's
     fp32 shard, and below ZeRO-3 also the gathered parameter for the whole step (ZeRO-3 gathers it per
@@ -70,10 +70,12 @@ def state_bytes_per_param(dtype: str, zero: int, dp: int, accumulating: bool = F
     its shard and the gathered parameter, so ZeRO-0 holds about as much parameter memory as ZeRO-1 (one
     fp32 copy more than plain DDP would). `grad`: bytes per gradient element where the software's differ
     from the executor's (`grad_bytes`); `param`: bytes of the working parameter where not the dtype's
-    (0 with FP8 parameters, whose FP8 copies are `fp8_weights`)."""
+    (0 with FP8 parameters, whose FP8 copies are `fp8_weights`); `opt`: optimizer bytes where the software's
+    differ from the executor's 12 in mixed precision (profiler/roofline.py `opt_bytes`)."""
     p, g, o = STATE_BYTES[dtype]
     g = g if grad is None else grad
     p = p if param is None else param
+    o = o if opt is None else opt
     if dp <= 1:
         return p + fp8_weights, g, o
     shards = dp if zero >= 1 else 1  # replicate: FSDP2's engine over one shard, the whole parameter
@@ -84,11 +86,13 @@ def state_bytes_per_param(dtype: str, zero: int, dp: int, accumulating: bool = F
 
 def state_bytes(profile, dtype: str, zero: int, dp: int, accumulating: bool = False, block: bool = True
                 ) -> tuple[float, float, float]:
-    """`state_bytes_per_param` as the profile's software holds it: its gradient bytes and, for a block's
-    parameters (`block`), the FP8 weight cache, or FP8 parameters in place of the 16-bit ones."""
+    """`state_bytes_per_param` as the profile's software holds it: its gradient and optimizer bytes and, for a
+    block's parameters (`block`), the FP8 weight cache, or FP8 parameters in place of the 16-bit ones."""
     fp8 = fp8_weight_bytes(profile) if block else 0.0
     param = 0.0 if block and fp8_params(profile, zero) else None
-    return state_bytes_per_param(dtype, zero, dp, accumulating, grad_bytes(profile, dtype), fp8, param)
+    r = getattr(profile, "roofline", None)
+    opt = float(r.opt_bytes) if r is not None and dtype != "fp32" else None
+    return state_bytes_per_param(dtype, zero, dp, accumulating, grad_bytes(profile, dtype), fp8, param, opt)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from dataclasses import replace
 
 import pulp
 from meshplan.planner.cost_model import Evaluation, StageProblem, evaluate, min_recomputed_blocks, rank_of_stages
+from meshplan.planner.polish import fewest_recompute
 
 # Times are scaled to milliseconds and bytes to MiB to keep the solvers' tolerances meaningful: a MIP's
 # feasibility tolerance (1e-6 in HiGHS and CBC) is then a byte, where in GiB it was a kilobyte, enough to
@@ -312,6 +313,22 @@ def solve_counts(P: StageProblem, solver: str | None = None, min_memory: bool = 
     return _result(P, bounds, recompute, min_memory)
 
 
+def fixed_bounds(P: StageProblem) -> list[int] | None:
+    """The only partition a problem allows (an engine's fixed stage split, planner/stage_split.py: exactly
+    one allowed cut per boundary), else None."""
+    if not P.cuts or P.num_stages < 2:
+        return None
+    starts = [layer for layer in range(1, P.num_layers) if P.cuts[layer]]
+    return [0, *starts, P.num_layers] if len(starts) == P.num_stages - 1 else None
+
+
+def solve_fixed(P: StageProblem, bounds: list[int], min_memory: bool = False) -> Solution | None:
+    """The optimum over recompute counts of a fixed partition, without an ILP: a recomputed block only adds
+    time to its own rank, so each rank recomputes the fewest blocks that fit (planner/polish.py's search);
+    for the least memory, every block it may."""
+    return _result(P, bounds, fewest_recompute(P, bounds, most=min_memory), min_memory)
+
+
 def _int(prob: pulp.LpProblem, name: str) -> int:
     var = prob.variablesDict().get(name)
     return int(round(var.value())) if var is not None and var.value() is not None else 0
@@ -341,6 +358,8 @@ class PartitionSolver:
 
     def _solve(self, P: StageProblem, min_memory: bool = False) -> Solution | None:
         self.solves += 1
+        if (bounds := fixed_bounds(P)) is not None:
+            return solve_fixed(P, bounds, min_memory)
         use_counts = P.uniform_blocks() and not self.force_assignment
         return (solve_counts if use_counts else solve_assignment)(P, self.solver, min_memory=min_memory)
 

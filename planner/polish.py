@@ -60,6 +60,15 @@ def polish(problem: StageProblem, bounds: list[int], recompute: list[int], ev: E
     return bounds, recompute, ev, time, runs
 
 
+def fewest_recompute(problem: StageProblem, bounds: list[int], most: bool = False) -> list[int]:
+    """Recomputed blocks per stage for these bounds: on each rank the fewest that fit (every block under
+    recompute "all", none under "none"); `most`: every block recompute allows (the least memory)."""
+    moves = _Moves(problem)
+    if most:
+        return moves.counts(bounds) if problem.recompute != "none" else [0] * problem.num_stages
+    return moves.recompute_for(bounds, [0] * problem.num_stages)
+
+
 class _Moves:
     """The neighbours of a partition, each with the recompute it needs."""
 

@@ -15,6 +15,14 @@ from meshplan.profiler.roofline import Roofline
 # fp32 master copy; write back param, moments, master): memory-bound, a streaming kernel like the others, so
 # bytes / the bandwidth such kernels reach (DeviceSpec.memory_efficiency, BabelStream Triad's share).
 ADAM_BYTES_PER_PARAM = 36.0
+
+
+def adam_bytes(roofline: Roofline | None) -> float:
+    """ADAM_BYTES_PER_PARAM for the software's optimizer state (Roofline.opt_bytes): the step reads and writes
+    each byte of it once."""
+    return ADAM_BYTES_PER_PARAM - (0.0 if roofline is None else 2 * (12.0 - roofline.opt_bytes))
+
+
 # The executor clips by the global norm first (executor.train.clip_and_step, as measured profiles time it):
 # the norm reads every fp32 gradient once and the scaling reads and writes it again.
 CLIP_BYTES_PER_PARAM = 12.0
@@ -26,7 +34,7 @@ def device_roofline(cluster: ClusterSpec, dtype: str, attention: str = "flash", 
                     selective: str = "attention", fsdp_copies: bool = True, loss: str = "fp32",
                     p2p: str = "overlapped", sharded_accumulation: bool = False, norm: str = "fused",
                     software: str = "meshplan", fp8: str = "none", moe_dispatch: str = "sharded",
-                    fp8_params: bool = False) -> Roofline | None:
+                    fp8_params: bool = False, opt_bytes: float = 12.0) -> Roofline | None:
     """The per-operation model of a GPU preset (None for a CPU or a device without SM count); the
     software settings default to the executor's (profiler/roofline.py). attention "flash1": software that
     ran FlashAttention-1 (cluster_spec.FLASH1_PRESETS)."""
@@ -55,7 +63,7 @@ def device_roofline(cluster: ClusterSpec, dtype: str, attention: str = "flash", 
                     sharded_accumulation=sharded_accumulation, norm=norm, software=software, fp8=fp8,
                     fp8_peak_flops=d.peak_flops.get("fp8", 0.0), fp8_gemm_fraction=d.fp8_efficiency,
                     fp8_gemm_k_ref=d.fp8_gemm_k_ref, moe_dispatch=moe_dispatch,
-                    fp8_params=fp8_params)
+                    fp8_params=fp8_params, opt_bytes=opt_bytes)
 
 
 def preset_profile(model: ModelSpec, cluster: ClusterSpec, dtype: str = "bf16", **software) -> Profile:
@@ -89,7 +97,7 @@ def preset_profile(model: ModelSpec, cluster: ClusterSpec, dtype: str = "bf16", 
     return Profile(
         model=model, dtype=dtype, source="preset", device_kind=device.kind, device_name=device.type,
         torch_version=torch.__version__, compute=compute, links=links,
-        optimizer_s_per_param=(ADAM_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM)
+        optimizer_s_per_param=(adam_bytes(roofline) + CLIP_BYTES_PER_PARAM)
         / (device.memory_bandwidth_Bps * device.memory_efficiency),
         concurrent_ranks=cluster.devices_per_node, roofline=roofline,
     )

@@ -178,6 +178,14 @@ class Roofline:
     # Under an FP8 recipe, the blocks' Linear weights kept in FP8 with no 16-bit copy (Megatron-Core's
     # --fp8-param-gather; planner/cost_memory.py), not cast from 16-bit parameters each step (the executor).
     fp8_params: bool = False
+    # Optimizer state per parameter in mixed precision: an fp32 master copy and two fp32 Adam moments, 12 bytes,
+    # as the executor's AdamW, Megatron's distributed optimizer and DeepSpeed keep them. Apex's
+    # DistributedFusedAdam as NeMo 1 sets it up (nemo/collections/nlp/models/language_modeling/
+    # megatron_base_model.py setup_optimization, megatron_amp_O2 in bf16): with its default fp32 state it keeps
+    # only the low 16 bits of the master copy (store_param_remainders: 2 + 4 + 4 = 10); with optim.dtype bf16
+    # the bf16 parameters are the master copy (store_params off) and the moments are bf16 (2 + 2 = 4); with
+    # FP8 parameters it stores a master copy in that dtype (3 × its bytes). planner/cost_memory.py holds it.
+    opt_bytes: float = 12.0
     # The device's FP8 tensor-core rates (0: none): dense peak, MAMF / peak, and the K of the MAMF shape
     fp8_peak_flops: float = 0.0
     fp8_gemm_fraction: float = 0.0
@@ -213,6 +221,7 @@ class Roofline:
                    f.str("software", default="meshplan"), fp8=f.str("fp8", choices=FP8, default="none"),
                    moe_dispatch=f.str("moe_dispatch", choices=MOE_DISPATCH, default="sharded"),
                    fp8_params=f.bool("fp8_params", default=False),
+                   opt_bytes=f.float("opt_bytes", min=0.0, default=12.0),
                    fp8_peak_flops=f.float("fp8_peak_flops", min=0.0, default=0.0),
                    fp8_gemm_fraction=f.float("fp8_gemm_fraction", min=0.0, default=0.0),
                    fp8_gemm_k_ref=f.float("fp8_gemm_k_ref", min=0.0, default=0.0))

@@ -45,6 +45,27 @@ def test_adam_mixed_precision_bytes_per_param():
     assert state_bytes_per_param("bf16", 3, 8, grad=2.0) == (0.0, 2.0 / 8, 12.0 / 8)
 
 
+def test_optimizer_state_as_the_software_keeps_it():
+    """Apex's DistributedFusedAdam under NeMo 1 (profiler/roofline.py opt_bytes): fp32 moments and the 16-bit
+    remainders of the master copy, 2 + 4 + 4 = 10 B a parameter, sharded over dp like the executor's 12; bf16
+    state with no master copy, 2 + 2 = 4. fp32 training keeps its own 8 whatever the mixed-precision setting.
+    The step reads and writes each optimizer byte once: 36 - 2 x 2 = 32 B a parameter for 10."""
+    from meshplan.planner.cost_memory import state_bytes
+    from meshplan.profiler.presets import ADAM_BYTES_PER_PARAM, CLIP_BYTES_PER_PARAM
+
+    cluster = parse_cluster("8xh100-80gb")
+    nemo = preset_profile(builtin_model("tiny"), cluster, "bf16", grad_bytes=2, opt_bytes=10.0)
+    assert state_bytes(nemo, "bf16", 1, 8) == (2.0, 2.0, 10.0 / 8)
+    assert state_bytes(nemo, "fp32", 1, 8)[2] == 8.0 / 8
+    bf16_state = preset_profile(builtin_model("tiny"), cluster, "bf16", opt_bytes=4.0)
+    assert state_bytes(bf16_state, "bf16", 0, 1) == (2.0, 4.0, 4.0)
+    executor = preset_profile(builtin_model("tiny"), cluster, "bf16")
+    assert state_bytes(executor, "bf16", 1, 8)[2] == 12.0 / 8
+    rate = cluster.device.memory_bandwidth_Bps * cluster.device.memory_efficiency
+    assert nemo.optimizer_s_per_param == pytest.approx((ADAM_BYTES_PER_PARAM - 4 + CLIP_BYTES_PER_PARAM) / rate)
+    assert executor.optimizer_s_per_param == pytest.approx((ADAM_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM) / rate)
+
+
 def test_fsdp_state_as_the_executor_holds_it():
     """FSDP2 keeps the fp32 shard next to the gathered parameter below ZeRO-3 (in mixed precision the
     shard is the master copy, already counted), and unsharded gradients while micro-batches accumulate."""

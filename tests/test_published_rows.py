@@ -92,15 +92,17 @@ def test_grok_rows_pin_expert_parallelism():
 
 def test_dgxc_fp8_rows_mirror_the_bf16_layouts():
     """The DGX Cloud FP8 rows run the BF16 rows' layouts under Transformer Engine's delayed scaling, with FP8
-    parameters where the recipe asks for them."""
+    parameters, which every recipe asks for."""
     rows = {r["id"]: r for r in ROWS if r["source_key"] in ("dgxc_benchmarking", "dgxc_benchmarking_fp8")}
     fp8 = [r for r in rows.values() if r["source_key"] == "dgxc_benchmarking_fp8"]
     assert len(fp8) == 35
     for row in fp8:
         twin = rows[row["id"].removesuffix("_fp8")]
-        assert {k: v for k, v in row["layout"].items() if k not in ("dtype", "fp8_params")} == \
-               {k: v for k, v in twin["layout"].items() if k != "dtype"}
-        assert row["layout"]["fp8_params"] == ("gpt3" not in row["id"])  # GPT-3's launch.sh sets no fp8_params
+        own = ("dtype", "fp8_params", "optimizer_state_bytes")
+        assert {k: v for k, v in row["layout"].items() if k not in own} == \
+               {k: v for k, v in twin["layout"].items() if k not in own}
+        # configure.sh passes +model.fp8_params with FP8; GPT-3's YAML sets model.fp8_params: true itself
+        assert row["layout"]["fp8_params"] is True
         assert row["fp8"] and published_runs.usable(row) and published_runs.fp8_recipe(row) == "delayed"
         assert row["published"]["iteration_time_s"] < twin["published"]["iteration_time_s"]
 
@@ -236,3 +238,20 @@ def test_rows_split_stages_as_their_software_did():
             assert published_runs.constraints_of({**row, "costed_as": "meshplan"}, True).split == "free"
     assert split == {"bloom_bigscience": "even-ends", "mt_nlg_2022": "even", "megatron_sc21": "even",
                      "korthikanti_2022": "even", "nemotron4_2024": "even"}
+
+
+def test_dgxc_rows_keep_the_optimizer_state_nemo_1_sets_up():
+    """NeMo 1 sets up Apex's DistributedFusedAdam for the bf16 DGX Cloud recipes: fp32 moments with the master
+    copy's 16-bit remainders (10 B), an fp32 master copy where the recipe sets fp8_params (12 B: GPT-3's YAML
+    always, the others' configure.sh with FP8), bf16 state for Nemotron-4 340B's optim.dtype bf16 (4 B, 6 B
+    with the bf16 master copy FP8 parameters make it store). The costed settings carry it."""
+    rows = [r for r in ROWS if r["source_key"] in ("dgxc_benchmarking", "dgxc_benchmarking_fp8")]
+    assert len(rows) == 70
+    for row in rows:
+        fp8, lay = bool(row.get("fp8")), row["layout"]
+        if "340b" in row["id"]:
+            expected = 6.0 if fp8 else 4.0
+        else:
+            expected = 12.0 if fp8 or "gpt3" in row["id"] else 10.0
+        assert lay["optimizer_state_bytes"] == expected, row["id"]
+        assert published_runs.software(row)["opt_bytes"] == expected

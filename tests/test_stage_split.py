@@ -85,3 +85,36 @@ def test_search_keeps_to_the_split(capsys):
 def test_splits_an_engine_cannot_run_are_refused(capsys, argv, field):
     code, out, err = run(capsys, "llama3-8b", "--cluster", "8xa100-80gb", *argv)
     assert code == 2 and out == "" and err.strip() == f"plan: error: {field}"
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_a_fixed_split_solves_as_the_ilp_would(case):
+    """With the engine's split the partition is given and only recompute counts are open: the direct solve
+    (planner/ilp.solve_fixed) reaches the assignment ILP's optimum under the same cuts, on the search tests'
+    cases where memory binds, and no more memory than the ILP's least for exit 3."""
+    from dataclasses import replace
+
+    from meshplan.planner.ilp import fixed_bounds, solve_assignment, solve_fixed
+    from meshplan.planner.search import Search
+
+    from tests.test_search import BINDING, _setup
+
+    memory_bytes, cluster, blocks, pins = BINDING[case]
+    model, cl, constraints, profile = _setup(memory_bytes, cluster, blocks, **pins)
+    search = Search(model, cl, replace(constraints, stage_split="even"), profile)
+    checked = 0
+    for _, _, cand in search._queue():
+        P = search.problem(cand)
+        bounds = fixed_bounds(P)
+        if cand.pp == 1:
+            assert bounds is None
+            continue
+        assert bounds == split_bounds(P.kinds, P.num_stages, "even")
+        direct, ilp = solve_fixed(P, bounds), solve_assignment(P)
+        assert (direct is None) == (ilp is None), cand
+        if direct is not None:
+            assert direct.bounds == bounds and direct.objective == pytest.approx(ilp.objective, rel=1e-9), cand
+            checked += 1
+        least, least_ilp = solve_fixed(P, bounds, True), solve_assignment(P, min_memory=True)
+        assert least.objective <= least_ilp.objective + 1.0, cand  # every block it may recomputed: the least
+    assert checked > 0
