@@ -118,13 +118,16 @@ CP_MODE = {"llama3_herd_2024": "all-gather"}
 # - BLOOM ran --pp-partition-method 'type:transformer|embedding', its tied embedding counted as a block at each end
 #   (bigscience-workshop/bigscience train/tr11-176B-ml/README.md: "pp rank 0: [embed | 5 transformer blocks] ...
 #   pp rank 11: [5 transformer blocks | embed]").
+# - Llama 3 took one block off its first and its last stage for the embedding and the head (arXiv:2407.21783 §3.3.2).
 # - Nemotron-4's pretraining (2024, before its June report) ran Megatron-Core before uneven stages existed
 #   (Megatron-LM fa8bb5921b "Uneven Pipeline Parallelism", 2024-09-05, first released in core_r0.9.0): the
 #   blocks split evenly.
+# - Megatron-LM's README H100 table came with Megatron-Core r0.8.0 (f2e5db402c, 2024-07-15), before uneven stages.
 # - The DGX Cloud recipes of NeMo 24.09-24.11 (NeMo 1 YAML) set neither num_layers_in_first_pipeline_stage nor
 #   num_layers_in_last_pipeline_stage: Megatron-Core splits the blocks evenly.
-STAGE_SPLIT = {"bloom_bigscience": "even-ends", "nemotron4_2024": "even", "dgxc_benchmarking": "even",
-               "dgxc_benchmarking_fp8": "even"}
+STAGE_SPLIT = {"bloom_bigscience": "even-ends", "llama3_herd_2024": "even-ends", "nemotron4_2024": "even",
+               "megatron_readme_h100_2024": "even",
+               "dgxc_benchmarking": "even", "dgxc_benchmarking_fp8": "even"}
 
 
 # Interconnects that differ from the preset's DGX fabric, as the source documents them: BLOOM's Jean Zay nodes

@@ -227,17 +227,21 @@ def test_software_and_gpu_options_recost_the_same_rows(monkeypatch, capsys):
 
 
 def test_rows_split_stages_as_their_software_did():
-    """BLOOM counted its tied embedding as a block at each end ('type:transformer|embedding'); MT-NLG's
-    Megatron-DeepSpeed and Megatron-LM of 2021-22 spread the blocks evenly; Nemotron-4's Megatron-Core came
-    before uneven stages. Costed as another engine (--software), a row takes that engine's split."""
+    """BLOOM counted its tied embedding as a block at each end ('type:transformer|embedding'), Llama 3 took a
+    block off its first and last stages (§3.3.2); MT-NLG's Megatron-DeepSpeed and Megatron-LM of 2021-22 spread
+    the blocks evenly, and so did the Megatron-Core that ran Nemotron-4, the README table and NeMo 1's DGX Cloud
+    recipes (before uneven stages, or without them set). Costed as another engine (--software), a row takes that
+    engine's split."""
     split = {key: None for key in ("bloom_bigscience", "mt_nlg_2022", "megatron_sc21", "korthikanti_2022",
-                                   "nemotron4_2024")}
+                                   "nemotron4_2024", "llama3_herd_2024", "megatron_readme_h100_2024",
+                                   "dgxc_benchmarking", "dgxc_benchmarking_fp8")}
     for row in ROWS:
         if row["source_key"] in split and split[row["source_key"]] is None:
             split[row["source_key"]] = published_runs.constraints_of(row, True).split
             assert published_runs.constraints_of({**row, "costed_as": "meshplan"}, True).split == "free"
-    assert split == {"bloom_bigscience": "even-ends", "mt_nlg_2022": "even", "megatron_sc21": "even",
-                     "korthikanti_2022": "even", "nemotron4_2024": "even"}
+    assert split == {"bloom_bigscience": "even-ends", "llama3_herd_2024": "even-ends", "mt_nlg_2022": "even",
+                     "megatron_sc21": "even", "korthikanti_2022": "even", "nemotron4_2024": "even",
+                     "megatron_readme_h100_2024": "even", "dgxc_benchmarking": "even", "dgxc_benchmarking_fp8": "even"}
 
 
 def test_dgxc_rows_keep_the_optimizer_state_nemo_1_sets_up():

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from meshplan.planner.cli import main
 from meshplan.planner.stage_split import split_bounds, split_cuts
 
