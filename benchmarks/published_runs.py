@@ -258,8 +258,8 @@ def usable(row: dict) -> bool:
     dims = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len")
     complete = all(row["model"].get(k) for k in dims) and bool(lay.get("global_batch_size"))
     te_fp8 = not row.get("fp8") or "Transformer Engine" in row["layout"]["dtype"] or "FP8-CS" in row["layout"]["dtype"]
-    return complete and te_fp8 and row["gpu"] in ("a100-40gb", "a100-80gb", "h100-80gb", "b200-180gb", "gb200-186gb") \
-        and row["num_gpus"] % (row.get("gpus_per_node") or 8) == 0
+    gpu = row["gpu"] in DEVICE_PRESETS and row["gpu"] != "cpu"  # a GPU preset (not Meta's 96 GB H100)
+    return complete and te_fp8 and gpu and row["num_gpus"] % (row.get("gpus_per_node") or 8) == 0
 
 
 def main() -> None:

@@ -33,8 +33,8 @@ MODEL:   a built-in name (gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama2-7b, lla
          (gpt2, llama, mistral, qwen2, qwen3, gpt_neox, opt, falcon, starcoder2, phi3, gemma, bloom;
          mixtral, qwen2_moe, qwen3_moe), or package.module:factory returning an nn.Module.
 CLUSTER: GxTYPE or NxGxTYPE with TYPE one of a100-40gb, a100-80gb, h100-80gb, h200-141gb,
-         b200-180gb, b300-288gb, gb200-186gb (NVL72: 72-GPU NVLink domains, e.g. 18x4xgb200-186gb; other counts
-         spread over the fewest racks, e.g. 32x4: 2 racks of 64), cpu;
+         b200-180gb, b300-288gb, gb200-186gb, gb300-288gb (NVL72: 72-GPU NVLink domains, e.g.
+         18x4xgb200-186gb; other counts spread over the fewest racks, e.g. 32x4: 2 racks of 64), cpu;
          Nxcpu (N processes on this host); local (this machine as it is); or a YAML/JSON cluster file
          (`base: 2x8xh100-80gb` plus any field to override, e.g. topology: {nodes_per_leaf: 16,
          oversubscription: 2}).

@@ -250,6 +250,14 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
     "b300-288gb": _gpu("b300-288gb", 288 * 1000**3,
                        {"fp32": 80e12, "bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12}, 8e12,
                        1769.0 / 2250, 160, FA2_B300_DERIVED, 4.18 / 4.8, fp8=(3353.3 / 4500, 7168)),
+    # GB300 NVL72 (Blackwell Ultra in the NVL72 rack): dense BF16 2,500 and FP8 5,000 TFLOP/s, FP32 80
+    # (ml-engineering compute/accelerator/README.md TFLOPS table, note 24: "GB200 NVL72 and GB300 NVL72 seem to be
+    # the same but faster fp4 and more memory for the latter", from nvidia.com gb300-nvl72); the B300 die's 288 GB
+    # HBM3e at 8 TB/s and 160 SMs. No GB300 MAMF is published: GB200's share of the same peak (BF16 and FP8),
+    # and GB200's attention rates; HBM share as B200.
+    "gb300-288gb": _gpu("gb300-288gb", 288 * 1000**3,
+                        {"fp32": 80e12, "bf16": 2500e12, "fp16": 2500e12, "fp8": 5000e12}, 8e12,
+                        1822.0 / 2500, 160, FA2_GB200_DERIVED, 4.18 / 4.8, fp8=(3615.6 / 5000, 1536)),
     # A CPU "device" is one process; its memory is this host's RAM shared by the processes of a node
     # (set in parse_cluster). FLOP/s: a nominal few-core AVX2 figure; the profiler measures the real one.
     "cpu": DeviceSpec("cpu", "cpu", 16 * GiB, {"fp32": 1e11, "bf16": 2e10, "fp16": 1e10}, efficiency=0.3,
@@ -307,6 +315,9 @@ LINK_PRESETS: dict[str, tuple[LinkSpec, LinkSpec]] = {  # (intra-node, inter-nod
     # NVL72: NVLink5 across the rack; ring all-reduce busbw 680 GB/s (NVIDIA GTC slide cited in
     # ml-engineering network/README.md L957); one ConnectX-7 400 Gb/s per GPU (DGX GB200 user guide).
     "gb200-186gb": (LinkSpec(900e9, _NVLINK_LAT, 680 / 900), _NDR),
+    # GB300 NVL72: the same NVLink5 rack (130 TB/s over 72 GPUs, nvidia.com gb300-nvl72) with a ConnectX-8
+    # SuperNIC, 800 Gb/s, per GPU (Quantum-X800: ml-engineering network/README.md).
+    "gb300-288gb": (LinkSpec(900e9, _NVLINK_LAT, 680 / 900), _XDR),
     # gloo over loopback TCP: a few GB/s, tens of microseconds (measured by the profiler when present).
     "cpu": (LinkSpec(2e9, 50e-6), LinkSpec(1e9, 100e-6)),
 }
@@ -318,6 +329,7 @@ TOPOLOGY_PRESETS: dict[str, Topology] = {
     "b200-180gb": Topology(nodes_per_leaf=32), "b300-288gb": Topology(nodes_per_leaf=64), "cpu": Topology(),
     # 18 compute trays of 4 GPUs in one NVLink domain; the DGX GB200 SuperPOD SU is 8 racks (576 GPUs).
     "gb200-186gb": Topology(nvlink_domain=72, nodes_per_leaf=144),
+    "gb300-288gb": Topology(nvlink_domain=72, nodes_per_leaf=144),  # GB200's SuperPOD unit (none published)
 }
 
 
@@ -417,11 +429,11 @@ def spread_domain(world: int, domain: int, devices_per_node: int) -> int:
 
 
 def gpu_preset_type(name: str, total_memory: int) -> str | None:
-    """The device preset of a GPU by its CUDA name (GB200 before B200: its name contains both); None for
-    another GPU."""
+    """The device preset of a GPU by its CUDA name (GB200 before B200, GB300 before B300: their names contain
+    both); None for another GPU."""
     title = name.upper()
-    for tag, preset in (("GB200", "gb200-186gb"), ("B300", "b300-288gb"), ("B200", "b200-180gb"),
-                        ("H200", "h200-141gb"), ("H100", "h100-80gb")):
+    for tag, preset in (("GB200", "gb200-186gb"), ("GB300", "gb300-288gb"), ("B300", "b300-288gb"),
+                        ("B200", "b200-180gb"), ("H200", "h200-141gb"), ("H100", "h100-80gb")):
         if tag in title:
             return preset
     if "A100" in title:

@@ -41,7 +41,7 @@ def device_roofline(cluster: ClusterSpec, dtype: str, attention: str = "flash", 
     d = cluster.device
     if fp8 != "none" and (d.peak_flops.get("fp8", 0) <= 0 or d.fp8_efficiency <= 0 or d.sm_count <= 0):
         raise InputError(f"--fp8: {d.type} has no FP8 tensor cores in its preset (FP8: h100-80gb, h200-141gb, "
-                         f"b200-180gb, b300-288gb, gb200-186gb)")
+                         f"b200-180gb, b300-288gb, gb200-186gb, gb300-288gb)")
     if fp8 != "none" and dtype != "bf16":
         raise InputError(f"--fp8: FP8 Linears run inside bf16 training; expected --dtype bf16, got {dtype}")
     if d.kind != "cuda" or d.sm_count <= 0 or not d.attention_flops or dtype == "fp32":

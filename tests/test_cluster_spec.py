@@ -122,13 +122,25 @@ def test_b300_preset():
     assert c.topology.nodes_per_leaf == 64
 
 
+def test_gb300_preset():
+    """GB300 NVL72: GB200's dense BF16/FP8 peaks (2.5/5 PFLOP/s) with the B300 die's 288 GB and 160 SMs, GB200's
+    MAMF share (no GB300 measurement), NVLink5 across 72 GPUs at GB200's 680 GB/s ring busbw, 800 Gb/s NICs."""
+    c = parse_cluster("36x4xgb300-288gb")
+    d = c.device
+    assert d.peak_flops["bf16"] == 2500e12 and d.peak_flops["fp8"] == 5000e12 and d.memory_bytes == 288 * 1000**3
+    assert d.peak_flops["bf16"] * d.efficiency == pytest.approx(1822.0e12) and d.sm_count == 160
+    assert c.topology.nvlink_domain == 72 and c.intra_node.bus_Bps == pytest.approx(680e9)
+    assert c.inter_node.bandwidth_Bps == 100e9
+
+
 def test_gpu_names_map_to_presets():
     """A local GPU's CUDA name picks its preset, one rule for the planner's `local` and the profiler (GB200's
     name contains B200's)."""
     from meshplan.planner.cluster_spec import gpu_preset_type
 
     for name, memory, preset in (("NVIDIA GB200", 186e9, "gb200-186gb"), ("NVIDIA B200", 180e9, "b200-180gb"),
-                                 ("NVIDIA B300 SXM6 AC", 288e9, "b300-288gb"), ("NVIDIA H200", 141e9, "h200-141gb"),
+                                 ("NVIDIA B300 SXM6 AC", 288e9, "b300-288gb"),
+                                 ("NVIDIA GB300", 288e9, "gb300-288gb"), ("NVIDIA H200", 141e9, "h200-141gb"),
                                  ("NVIDIA H100 80GB HBM3", 80e9, "h100-80gb"),
                                  ("NVIDIA A100-SXM4-40GB", 40 * 2**30, "a100-40gb"),
                                  ("NVIDIA A100-SXM4-80GB", 80 * 2**30, "a100-80gb"), ("NVIDIA L4", 24e9, None)):
