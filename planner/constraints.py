@@ -50,6 +50,7 @@ class Constraints:
     engine_recompute: tuple[str, ...] | None = None
     engine_stage_splits: tuple[str, ...] | None = None  # the first is its default
     engine_even_divides: bool = False  # the engine asserts that pp·v divides the blocks (Megatron-LM 2021-22)
+    engine_recompute_all: bool = False  # full recompute checkpoints every block of every stage (no counts)
 
     @property
     def split(self) -> str:

@@ -27,6 +27,7 @@ from meshplan.planner.errors import InputError
 from meshplan.planner.export_cp import deepspeed_cp_config, megatron_cp_args, torchtitan_cp_degrees
 from meshplan.planner.export_moe import deepspeed_moe_note, megatron_moe_args, torchtitan_moe_degrees
 from meshplan.planner.plan import Plan, load_plan
+from meshplan.planner.stage_split import split_bounds
 
 FORMATS = ("megatron", "torchtitan", "deepspeed")
 
@@ -310,7 +311,7 @@ def to_deepspeed(plan: Plan, warnings: list[str] | None = None) -> str:
     if p.pp > 1:
         config["pipeline"] = {"stages": p.pp, "activation_checkpoint_interval": 1 if p.recompute == "full" else 0}
         warn(f"pipeline stage boundaries: DeepSpeed sets them in code, PipelineModule(num_stages={p.pp}, "
-             f"partition_method=...); the plan's are layers {[s.layers for s in plan.stages]}")
+             f"partition_method={_deepspeed_partition(plan)}); the plan's are layers {[s.layers for s in plan.stages]}")
         if p.schedule != "1f1b" or p.virtual_stages > 1:
             warn(f"pipeline schedule {p.schedule}" + (f" with {p.virtual_stages} virtual stages" if p.virtual_stages > 1
                  else "") + ": DeepSpeed's pipeline engine runs 1F1B with one stage per rank")
@@ -327,6 +328,17 @@ def to_deepspeed(plan: Plan, warnings: list[str] | None = None) -> str:
     if _partial_recompute(plan):
         warn(f"partial recompute ({', '.join(_partial_recompute(plan))}): not expressible in DeepSpeed's config")
     return json.dumps(config, indent=2) + "\n"
+
+
+def _deepspeed_partition(plan: Plan) -> str:
+    """The partition_method that gives the plan's stages (DeepSpeed balances the count of the matching layers:
+    planner/stage_split.py), else '...' (a custom partition in code)."""
+    bounds = [s.layers[0] for s in plan.stages] + [plan.stages[-1].layers[1]]
+    kinds = [layer.kind for layer in plan.model.layers]
+    for method, split in (("'type:transformer'", "even"), ("'type:transformer|embedding'", "even-ends")):
+        if split_bounds(kinds, len(plan.stages), split) == bounds:
+            return method
+    return "..."
 
 
 # ------------------------------------------------------------------------------------------------ CLI

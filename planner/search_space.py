@@ -92,7 +92,7 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints,
                             modes = [(c.recompute, c.recompute != "none")]
                         else:  # the ILP counts full recompute per stage; the executor's selective is all blocks
                             modes = [(mode, pinned) for mode, pinned in (("none", False), ("selective", True),
-                                                                         ("full", False))
+                                                                         ("full", c.engine_recompute_all))
                                      if c.engine_recompute is None or mode in c.engine_recompute]
                         for mode, pinned in modes:
                             for order in placer.orders(pp, dp, tp, cp):

@@ -95,7 +95,11 @@ FP16 = {"megatron-2021": dict(grad_bytes=2, grad_accum_bytes=6),
 # (2023; none before); ZeRO-2/3 as Megatron-FSDP, ZeRO-1 as --use-distributed-optimizer (2022; SC'21's
 # artifact runs neither); selective recompute came with Korthikanti et al. 2022. DeepSpeed's pipeline engine
 # runs 1F1B (runtime/pipe/schedule.py TrainSchedule) with ZeRO stage 0 or 1, and checkpoints whole blocks
-# (deepspeed.checkpointing, no selective policy); Ulysses (2023) came after. torchtitan's context
+# (deepspeed.checkpointing, no selective policy); Ulysses (2023) came after. Both checkpoint every block when
+# they recompute (`engine_recompute_all`): Megatron-LM 2021's --checkpoint-activations runs all of a stage's
+# layers in chunks of --checkpoint-num-layers (megatron/model/transformer.py _checkpointed_forward), DeepSpeed's
+# PipelineModule every activation_checkpoint_interval layers; a count of blocks per stage came with Megatron-LM's
+# --activations-checkpoint-method block (c1e0689d92, 2021-08, after SC'21's runs). torchtitan's context
 # parallelism is torch's ring attention (rotate methods allgather or alltoall), not Ulysses.
 # planner/export.py and export_cp.py name the same limits when a plan is exported.
 _MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
@@ -110,15 +114,16 @@ ENGINES: dict[str, dict] = {
     "megatron-2022": dict(engine_schedules=_MEGATRON_SCHEDULES, engine_zero=(0, 1), engine_cp_modes=(),
                           **_MEGATRON_EVEN),
     "megatron-2021": dict(engine_schedules=_MEGATRON_SCHEDULES, engine_zero=(0,), engine_cp_modes=(),
-                          engine_recompute=("none", "full"), **_MEGATRON_EVEN),
+                          engine_recompute=("none", "full"), engine_recompute_all=True, **_MEGATRON_EVEN),
     "megatron-deepspeed-2022": dict(engine_schedules=("1f1b",), engine_zero=(0, 1), engine_cp_modes=(),
-                                    engine_recompute=("none", "full"), engine_stage_splits=("even", "even-ends")),
+                                    engine_recompute=("none", "full"), engine_recompute_all=True,
+                                    engine_stage_splits=("even", "even-ends")),
 }
 
 
 def engine_limits(name: str) -> dict:
     """Constraints fields (engine, engine_schedules, engine_zero, engine_cp_modes, engine_recompute,
-    engine_stage_splits, engine_even_divides) of the named software."""
+    engine_recompute_all, engine_stage_splits, engine_even_divides) of the named software."""
     software_settings(name)  # the same one-line error for an unknown name
     return {"engine": name, **ENGINES[name]}
 

@@ -266,3 +266,17 @@ def test_a_long_default_sequence_is_pointed_out(capsys):
     assert code == 0 and "seq 131072" in out and "maximum" not in err
     code, _, err = run(capsys, "llama3-8b", "--cluster", "8xh100-80gb")
     assert code == 0 and "maximum" not in err
+
+
+def test_old_engines_recompute_every_block(capsys):
+    """Megatron-LM of 2021 checkpoints every layer of a stage when it recomputes (no per-stage count before
+    --activations-checkpoint-method block): a full-recompute plan for it recomputes each stage's blocks."""
+    import json
+
+    code, out, _ = run(capsys, "llama3-70b", "--cluster", "4x8xa100-80gb", "--global-batch-size", "128",
+                       "--seq-len", "4096", "--software", "megatron-2021", "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["parallel"]["recompute"] == "full"
+    for s in plan["stages"]:
+        blocks = sum(1 for layer in range(*s["layers"]) if 0 < layer < 81)
+        assert s["recompute_layers"] == blocks, s

@@ -67,6 +67,20 @@ def test_megatron_layout_and_even_split():
     assert "--untie-embeddings-and-output-weights" not in args  # gpt2 ties its head to the embedding
 
 
+def test_deepspeed_names_the_partition_method_of_an_even_split():
+    """DeepSpeed's 'type:transformer' balances the blocks (planner/stage_split.py "even"); another split is
+    left to code."""
+    plan = make_plan(model="gpt2", cluster="8xa100-80gb", pp=2, num_micro_batches=4)
+    plan.stages[0].layers, plan.stages[1].layers = [0, 7], [7, 14]  # 6 blocks each
+    warnings: list[str] = []
+    to_deepspeed(plan, warnings)
+    assert any("partition_method='type:transformer')" in w for w in warnings), warnings
+    plan.stages[0].layers, plan.stages[1].layers = [0, 6], [6, 14]
+    warnings = []
+    to_deepspeed(plan, warnings)
+    assert any("partition_method=...)" in w for w in warnings), warnings
+
+
 def test_megatron_recompute_and_zero():
     full = to_megatron(make_plan(model="tiny", cluster="8xa100-80gb", recompute="full", zero=1, dtype="bf16"))
     assert "--recompute-granularity full \\\n--recompute-method uniform \\\n--recompute-num-layers 1" in full
