@@ -123,11 +123,14 @@ CP_MODE = {"llama3_herd_2024": "all-gather"}
 #   (Megatron-LM fa8bb5921b "Uneven Pipeline Parallelism", 2024-09-05, first released in core_r0.9.0): the
 #   blocks split evenly.
 # - Megatron-LM's README H100 table came with Megatron-Core r0.8.0 (f2e5db402c, 2024-07-15), before uneven stages.
-# - The DGX Cloud recipes of NeMo 24.09-24.11 (NeMo 1 YAML) set neither num_layers_in_first_pipeline_stage nor
-#   num_layers_in_last_pipeline_stage: Megatron-Core splits the blocks evenly.
+# - NVIDIA's recipes (NeMo 24.07's and the DGX Cloud ones of NeMo 24.09-24.11, NeMo 1 YAML; NeMo 2 and
+#   Megatron-Bridge) set no uneven first or last stage: Megatron-Core splits the blocks evenly. Their Llama 3.1
+#   405B recipes count the embedding and the loss as a layer each: those rows say so (`layout.stage_split`).
 STAGE_SPLIT = {"bloom_bigscience": "even-ends", "llama3_herd_2024": "even-ends", "nemotron4_2024": "even",
-               "megatron_readme_h100_2024": "even",
-               "dgxc_benchmarking": "even", "dgxc_benchmarking_fp8": "even"}
+               "megatron_readme_h100_2024": "even", "nemo_perf_summary": "even", "dgxc_benchmarking": "even",
+               "dgxc_benchmarking_fp8": "even", "dgxc_benchmarking_moe": "even", "dgxc_benchmarking_gb200": "even",
+               "dgxc_benchmarking_2505_h100": "even", "megatron_bridge_perf_summary": "even",
+               "nemo_perf_summary_moe": "even"}
 
 
 # Interconnects that differ from the preset's DGX fabric, as the source documents them: BLOOM's Jean Zay nodes
@@ -236,7 +239,7 @@ def constraints_of(row: dict, pinned: bool) -> Constraints:
     engine = named if isinstance(named, str) else named.get("software")  # settings made from a named one
     c = replace(c, **engine_limits(engine)) if engine else c
     if not row.get("costed_as"):
-        c = replace(c, stage_split=STAGE_SPLIT.get(row["source_key"]))
+        c = replace(c, stage_split=row["layout"].get("stage_split") or STAGE_SPLIT.get(row["source_key"]))
     if "moe_imbalance" in lay:  # how unevenly the source's router loads the experts: the workload's, not a layout's
         c = replace(c, moe_imbalance=lay["moe_imbalance"])
     if not pinned:

@@ -242,6 +242,12 @@ def test_rows_split_stages_as_their_software_did():
     assert split == {"bloom_bigscience": "even-ends", "llama3_herd_2024": "even-ends", "mt_nlg_2022": "even",
                      "megatron_sc21": "even", "korthikanti_2022": "even", "nemotron4_2024": "even",
                      "megatron_readme_h100_2024": "even", "dgxc_benchmarking": "even", "dgxc_benchmarking_fp8": "even"}
+    # NeMo 2's and Megatron-Bridge's Llama 3.1 405B recipes count the embedding and the loss as a layer each
+    nvidia = ("megatron_bridge_perf_summary", "dgxc_benchmarking_gb200", "dgxc_benchmarking_2505_h100")
+    for row in ROWS:
+        if row["source_key"] in nvidia + ("nemo_perf_summary", "dgxc_benchmarking_moe") and row["layout"].get("pp"):
+            big = row["source_key"] in nvidia and row["model"]["num_layers"] == 126
+            assert published_runs.constraints_of(row, True).split == ("even-ends" if big else "even"), row["id"]
 
 
 def test_dgxc_rows_keep_the_optimizer_state_nemo_1_sets_up():
