@@ -357,9 +357,9 @@ class PartitionSolver:
         self.hits = 0
 
     def _solve(self, P: StageProblem, min_memory: bool = False) -> Solution | None:
-        self.solves += 1
         if (bounds := fixed_bounds(P)) is not None:
             return solve_fixed(P, bounds, min_memory)
+        self.solves += 1
         use_counts = P.uniform_blocks() and not self.force_assignment
         return (solve_counts if use_counts else solve_assignment)(P, self.solver, min_memory=min_memory)
 

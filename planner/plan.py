@@ -16,6 +16,7 @@ from meshplan.planner.errors import InputError
 from meshplan.planner.fields import Fields
 from meshplan.planner.jsonio import read_json, write_atomic
 from meshplan.planner.model_spec import ModelSpec
+from meshplan.planner.stage_split import SPLITS
 
 SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -202,12 +203,16 @@ class SearchStats:
     # the training software GPU presets charged the predictions to (plan --software); "" for a measured
     # profile, which times what ran, and for plans written before the field
     software: str = ""
+    # how the layers were cut into stages (planner/stage_split.py): "free" (the planner's boundaries), or the
+    # engine's or --stage-split's fixed split; "free" for plans written before the field
+    stage_split: str = "free"
 
     @classmethod
     def from_dict(cls, data: dict, path: str) -> SearchStats:
         f = Fields(data, path)
         return cls(f.int("candidates", min=0), f.int("feasible", min=0), f.float("seconds", min=0.0),
-                   f.str("solver"), f.str("software", default=""))
+                   f.str("solver"), f.str("software", default=""),
+                   f.str("stage_split", choices=SPLITS, default="free"))
 
 
 @dataclass

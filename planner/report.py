@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from meshplan.planner.plan import Plan
+from meshplan.planner.stage_split import SPLIT_WORDS
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -83,6 +84,8 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
                       "  --software megatron, megatron-bridge or torchtitan")
     elif s.software:  # plan --software
         console.print(f"  costed as {s.software} runs it")
+    if s.stage_split != "free":
+        console.print(f"  stages: {SPLIT_WORDS[s.stage_split]} (--stage-split {s.stage_split})")
 
 
 def exposed_lines(exposed: dict[str, float], iteration: float) -> list:

@@ -665,7 +665,8 @@ def find_plan(model: ModelSpec, cluster: ClusterSpec, constraints: Constraints, 
                                f"{search.partition.hits} cache hits"
                                + (f", {ilp.TIME_LIMITED[0] - limited} stopped at the {ilp.TIME_LIMIT_S:.0f} s limit"
                                   if ilp.TIME_LIMITED[0] > limited else "") + ")",
-                        software=getattr(getattr(profile, "roofline", None), "software", ""))
+                        software=getattr(getattr(profile, "roofline", None), "software", ""),
+                        stage_split=constraints.split)
     plan = to_plan(search, results, stats)
     from meshplan.planner.cp_report import cp_choice_notes
 

@@ -128,7 +128,8 @@ def summary(plan: Plan, timeline: Timeline | None, width: int) -> list:
     if s.candidates or s.solver:
         out.append(Text(f"search: {s.candidates} candidates, {s.feasible} feasible, {s.seconds:.2f} s"
                         + (f", solver {s.solver}" if s.solver else "")
-                        + (f"; costed as {s.software} runs it (GPU presets)" if s.software else "")))
+                        + (f"; costed as {s.software} runs it (GPU presets)" if s.software else "")
+                        + (f"; stages split {s.stage_split}" if s.stage_split != "free" else "")))
     return out
 
 

@@ -17,6 +17,8 @@ Where the counts do not divide, the first stages take one more.
 from __future__ import annotations
 
 SPLITS = ("free", "even", "even-ends")
+# How `plan` says a fixed split in its summary
+SPLIT_WORDS = {"even": "blocks spread evenly", "even-ends": "blocks spread evenly, embedding and head as one each"}
 
 
 def split_bounds(kinds: list[str], stages: int, mode: str) -> list[int] | None:

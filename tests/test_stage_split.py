@@ -66,10 +66,12 @@ def test_search_keeps_to_the_split(capsys):
     code, out, _ = run(capsys, *argv)
     free = json.loads(out)
     assert code == 0 and stage_blocks(free) != [8, 8, 8, 8]
+    assert free["search"]["stage_split"] == "free"
     for extra in (["--stage-split", "even"], ["--software", "megatron-2022"]):
         code, out, _ = run(capsys, *argv, *extra)
         even = json.loads(out)
         assert code == 0 and stage_blocks(even) == [8, 8, 8, 8], extra
+        assert even["search"]["stage_split"] == "even"  # the plan says why its stages are even
         if extra[0] == "--stage-split":
             assert even["predicted"]["iteration_time_s"] > free["predicted"]["iteration_time_s"]
 
@@ -117,3 +119,24 @@ def test_a_fixed_split_solves_as_the_ilp_would(case):
         least, least_ilp = solve_fixed(P, bounds, True), solve_assignment(P, min_memory=True)
         assert least.objective <= least_ilp.objective + 1.0, cand  # every block it may recomputed: the least
     assert checked > 0
+
+
+def test_plans_written_before_the_split_read_as_free(tmp_path):
+    """`search.stage_split` is optional in the plan JSON (free when absent); a value outside the splits is one
+    line naming the field."""
+    from meshplan.planner.errors import InputError
+    from meshplan.planner.plan import load_plan, save_plan
+
+    from tests.test_export import make_plan
+
+    plan = make_plan(model="tiny", cluster="8xa100-80gb", pp=2, num_micro_batches=4)
+    path = tmp_path / "plan.json"
+    save_plan(plan, str(path))
+    data = json.loads(path.read_text())
+    del data["search"]["stage_split"]
+    path.write_text(json.dumps(data))
+    assert load_plan(str(path)).search.stage_split == "free"
+    data["search"]["stage_split"] = "uneven"
+    path.write_text(json.dumps(data))
+    with pytest.raises(InputError, match="search.stage_split"):
+        load_plan(str(path))
