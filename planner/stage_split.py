@@ -18,7 +18,7 @@ from __future__ import annotations
 
 SPLITS = ("free", "even", "even-ends")
 # How `plan` says a fixed split in its summary
-SPLIT_WORDS = {"even": "blocks spread evenly", "even-ends": "blocks spread evenly, embedding and head as one each"}
+SPLIT_WORDS = {"even": "blocks spread evenly", "even-ends": "blocks, embedding and head spread evenly"}
 
 
 def split_bounds(kinds: list[str], stages: int, mode: str) -> list[int] | None:
