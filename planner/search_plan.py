@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from meshplan.planner.candidate import Candidate
 from meshplan.planner.cost_collectives import grad_sync
 from meshplan.planner.cost_compute import model_flops_per_iteration
+from meshplan.planner.cost_ep import spans_tp
 from meshplan.planner.cost_memory import state_bytes
 from meshplan.planner.cost_model import Evaluation, evaluate
 from meshplan.planner.exposed import exposed_communication
@@ -92,10 +93,14 @@ def predicted_of(search: Search, scored: Scored, ev: Evaluation) -> Predicted:
 def parallel_config(search: Search, scored: Scored) -> ParallelConfig:
     cand = scored.cand
     mode = cand.recompute if any(scored.solution.recompute) or cand.recompute_pinned else "none"
+    # sequence parallelism wherever tp > 1, unless the software costed runs without it (a preset's roofline:
+    # Megatron-LM of 2021, rows that ran without); EP folded over TP routes sequence shards, so it keeps it
+    roofline = getattr(search.profile, "roofline", None)
+    sp = cand.tp > 1 and (roofline is None or roofline.sequence_parallel or spans_tp(cand.ep, cand.tp, cand.expert_tp))
     return ParallelConfig(
         dp=cand.dp, tp=cand.tp, pp=cand.pp, virtual_stages=cand.v, zero=cand.zero, schedule=cand.schedule,
         micro_batch_size=cand.b, num_micro_batches=cand.m, global_batch_size=search.c.global_batch_size,
-        seq_len=search.seq, recompute=mode, dtype=search.c.dtype, sequence_parallel=cand.tp > 1, cp=cand.cp,
+        seq_len=search.seq, recompute=mode, dtype=search.c.dtype, sequence_parallel=sp, cp=cand.cp,
         cp_mode=cand.cp_mode if cand.cp > 1 else "ring", ep=cand.ep, expert_tp=cand.expert_tp,
         fp8=getattr(getattr(search.profile, "roofline", None), "fp8", "none"))
 

@@ -280,3 +280,22 @@ def test_old_engines_recompute_every_block(capsys):
     for s in plan["stages"]:
         blocks = sum(1 for layer in range(*s["layers"]) if 0 < layer < 81)
         assert s["recompute_layers"] == blocks, s
+
+
+def test_plans_for_software_without_sequence_parallelism_say_so(capsys, tmp_path):
+    """Megatron-LM of 2021 had no sequence parallelism: its plans say so (the executor then replicates the
+    norms' activations over TP, as costed) and the Megatron export passes no --sequence-parallel."""
+    import json
+
+    from meshplan.planner.export import to_megatron
+    from meshplan.planner.plan import load_plan
+
+    path = tmp_path / "plan.json"
+    code, _, _ = run(capsys, "gpt3-175b", "--cluster", "16x8xa100-80gb", "--global-batch-size", "256",
+                     "--software", "megatron-2021", "-o", str(path))
+    plan = json.loads(path.read_text())
+    assert code == 0 and plan["parallel"]["tp"] > 1 and plan["parallel"]["sequence_parallel"] is False
+    assert "--sequence-parallel" not in to_megatron(load_plan(str(path)))
+    code, _, _ = run(capsys, "gpt3-175b", "--cluster", "16x8xa100-80gb", "--global-batch-size", "256",
+                     "--software", "megatron", "-o", str(path))
+    assert code == 0 and json.loads(path.read_text())["parallel"]["sequence_parallel"] is True
