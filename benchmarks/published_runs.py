@@ -157,19 +157,19 @@ def software(row: dict) -> dict:
     lay = row["layout"]
     sp = lay.get("sequence_parallel") is not False
     # llm-foundry's PURE FSDP and NeMo's grad_sync_dtype bf16 (dgxc) keep and reduce gradients in bf16
-    pure = "PURE" in (row["layout"].get("dtype") or "") or row["layout"].get("grad_dtype") == "bf16"
-    selective = row["layout"].get("selective_ac")  # torchtitan's selective AC policy (profiler/roofline.py)
+    pure = "PURE" in (lay.get("dtype") or "") or lay.get("grad_dtype") == "bf16"
+    selective = lay.get("selective_ac")  # torchtitan's selective AC policy (profiler/roofline.py)
     named = named_software(row)
-    dtype = "fp16" if row["layout"].get("dtype") == "fp16" else "bf16"
+    dtype = "fp16" if lay.get("dtype") == "fp16" else "bf16"
     base = software_settings(named, dtype) if isinstance(named, str) else named
-    torch_ddp = row["layout"].get("ddp_impl") == "torch"  # SC'21 below 39B: torch's DDP, overlapped buckets
-    eager_norm = row["layout"].get("norm_type") == "rmsnorm"  # torchtitan's eager RMSNorm (profiler/roofline.NORM)
-    fused_loss = row["layout"].get("fused_loss")  # OLMo-core's Triton cross-entropy (profiler/roofline.LOSS)
+    torch_ddp = lay.get("ddp_impl") == "torch"  # SC'21 below 39B: torch's DDP, overlapped buckets
+    eager_norm = lay.get("norm_type") == "rmsnorm"  # torchtitan's eager RMSNorm (profiler/roofline.NORM)
+    fused_loss = lay.get("fused_loss")  # OLMo-core's Triton cross-entropy (profiler/roofline.LOSS)
     return (base | {"sequence_parallel": sp} | ({"grad_bytes": 2} if pure else {})
             | ({"selective": selective} if selective else {}) | ({"grad_overlap": True} if torch_ddp else {})
             | ({"norm": "eager-fp32"} if eager_norm else {}) | ({"loss": "fused"} if fused_loss else {})
             | ({"fp8": fp8_recipe(row)} if row.get("fp8") else {})
-            | ({"fp8_params": row["layout"]["fp8_params"]} if "fp8_params" in row["layout"] else {})
+            | ({"fp8_params": lay["fp8_params"]} if "fp8_params" in lay else {})
             | ({"opt_bytes": lay["optimizer_state_bytes"]} if "optimizer_state_bytes" in lay else {}))
 
 

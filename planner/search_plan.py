@@ -102,7 +102,7 @@ def parallel_config(search: Search, scored: Scored) -> ParallelConfig:
         micro_batch_size=cand.b, num_micro_batches=cand.m, global_batch_size=search.c.global_batch_size,
         seq_len=search.seq, recompute=mode, dtype=search.c.dtype, sequence_parallel=sp, cp=cand.cp,
         cp_mode=cand.cp_mode if cand.cp > 1 else "ring", ep=cand.ep, expert_tp=cand.expert_tp,
-        fp8=getattr(getattr(search.profile, "roofline", None), "fp8", "none"))
+        fp8=roofline.fp8 if roofline is not None else "none")
 
 
 def to_plan(search: Search, results: list[Scored], stats: SearchStats) -> Plan:

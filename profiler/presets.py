@@ -9,7 +9,7 @@ from meshplan.planner.errors import InputError
 from meshplan.planner.model_spec import ModelSpec
 from meshplan.profiler.analytic import layer_forward_flops
 from meshplan.profiler.profile import LINK_OPS, ComputeSample, LinkFit, Profile
-from meshplan.profiler.roofline import Roofline
+from meshplan.profiler.roofline import OPT_BYTES, Roofline
 
 # AdamW with mixed precision touches ~36 bytes per parameter per step (read param, grad, 2 moments and the
 # fp32 master copy; write back param, moments, master): memory-bound, a streaming kernel like the others, so
@@ -20,7 +20,7 @@ ADAM_BYTES_PER_PARAM = 36.0
 def adam_bytes(roofline: Roofline | None) -> float:
     """ADAM_BYTES_PER_PARAM for the software's optimizer state (Roofline.opt_bytes): the step reads and writes
     each byte of it once."""
-    return ADAM_BYTES_PER_PARAM - (0.0 if roofline is None else 2 * (12.0 - roofline.opt_bytes))
+    return ADAM_BYTES_PER_PARAM - (0.0 if roofline is None else 2 * (OPT_BYTES - roofline.opt_bytes))
 
 
 # The executor clips by the global norm first (executor.train.clip_and_step, as measured profiles time it):
@@ -34,7 +34,7 @@ def device_roofline(cluster: ClusterSpec, dtype: str, attention: str = "flash", 
                     selective: str = "attention", fsdp_copies: bool = True, loss: str = "fp32",
                     p2p: str = "overlapped", sharded_accumulation: bool = False, norm: str = "fused",
                     software: str = "meshplan", fp8: str = "none", moe_dispatch: str = "sharded",
-                    fp8_params: bool = False, opt_bytes: float = 12.0) -> Roofline | None:
+                    fp8_params: bool = False, opt_bytes: float = OPT_BYTES) -> Roofline | None:
     """The per-operation model of a GPU preset (None for a CPU or a device without SM count); the
     software settings default to the executor's (profiler/roofline.py). attention "flash1": software that
     ran FlashAttention-1 (cluster_spec.FLASH1_PRESETS)."""

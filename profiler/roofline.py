@@ -111,6 +111,10 @@ def loss_bytes(loss: str, B: int) -> tuple[float, float]:
 TILE_M, TILE_N = 256, 128  # cuBLAS's most efficient tile (Matrix Multiplication Background guide §2.3)
 
 
+# Mixed-precision optimizer state per parameter by default: an fp32 master copy and two fp32 Adam moments
+OPT_BYTES = 12.0
+
+
 @dataclass(frozen=True)
 class Roofline:
     """Device rates for one dtype, and the attention kernel the training software runs."""
@@ -185,7 +189,7 @@ class Roofline:
     # only the low 16 bits of the master copy (store_param_remainders: 2 + 4 + 4 = 10); with optim.dtype bf16
     # the bf16 parameters are the master copy (store_params off) and the moments are bf16 (2 + 2 = 4); with
     # FP8 parameters it stores a master copy in that dtype (3 × its bytes). planner/cost_memory.py holds it.
-    opt_bytes: float = 12.0
+    opt_bytes: float = OPT_BYTES
     # The device's FP8 tensor-core rates (0: none): dense peak, MAMF / peak, and the K of the MAMF shape
     fp8_peak_flops: float = 0.0
     fp8_gemm_fraction: float = 0.0
@@ -221,7 +225,7 @@ class Roofline:
                    f.str("software", default="meshplan"), fp8=f.str("fp8", choices=FP8, default="none"),
                    moe_dispatch=f.str("moe_dispatch", choices=MOE_DISPATCH, default="sharded"),
                    fp8_params=f.bool("fp8_params", default=False),
-                   opt_bytes=f.float("opt_bytes", min=0.0, default=12.0),
+                   opt_bytes=f.float("opt_bytes", min=0.0, default=OPT_BYTES),
                    fp8_peak_flops=f.float("fp8_peak_flops", min=0.0, default=0.0),
                    fp8_gemm_fraction=f.float("fp8_gemm_fraction", min=0.0, default=0.0),
                    fp8_gemm_k_ref=f.float("fp8_gemm_k_ref", min=0.0, default=0.0))

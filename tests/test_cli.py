@@ -49,6 +49,7 @@ def run(capsys, *argv):
      "--cp: megatron-2021 does not run context parallelism"),
     (["llama3-8b", "--cluster", "8xa100-80gb", "--seq-len", "8192", "--software", "torchtitan", "--cp", "2",
       "--cp-mode", "all-to-all"], "--cp-mode: torchtitan does not run all-to-all"),
+    (["llama3-8b", "--cluster", "8xa100-80gb", "--stage-split", "uneven"], "argument --stage-split: invalid choice"),
     (["llama3-8b", "--cluster", "8xa100-80gb", "--bogus"], "unrecognized arguments: --bogus"),
     (["llama3-8b", "--cluster", "8xa100-80gb", "--fp8", "delayed"], "--fp8: a100-80gb has no FP8 tensor cores"),
     (["tiny", "--cluster", "2xcpu", "--fp8", "delayed"], "--fp8: cpu has no FP8 tensor cores"),
